@@ -1,0 +1,79 @@
+"""`refit-grpc shim | demo`: the command-line entry points."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from refit_grpc.plan import DEFAULT_BUFFER_SIZE_BYTES, DEFAULT_NUM_BUFFERS, Packing
+
+
+def _shim(args: argparse.Namespace) -> int:
+    from refit_grpc.models.tiny_lm import TinyLMConfig
+    from refit_grpc.shim.engines import create_engine
+    from refit_grpc.shim.process import READY_PREFIX
+    from refit_grpc.shim.server import ServerOptions, ShimServer
+    from refit_grpc.shim.service import ShimConfig
+
+    packing = Packing(args.buffer_size_bytes, args.num_buffers)
+    options: dict = {"packing": packing}
+    if args.engine == "reference":
+        options["model"] = None if args.model == "none" else TinyLMConfig()
+        options["seed"] = args.seed
+    engine = create_engine(args.engine, **options)
+    config_kwargs = {"max_epoch_s": args.max_epoch_s,
+                     "allowed_master_networks": tuple(args.allow_master)}
+    if args.instance_id:
+        config_kwargs["instance_id"] = args.instance_id
+    server = ShimServer(engine, ShimConfig(**config_kwargs),
+                        ServerOptions(address=args.address, grace_s=args.grace_s)).start()
+    # Parent processes (demo, tests) read this line to learn the port.
+    print(f"{READY_PREFIX}{server.address} {server.servicer.config.instance_id}", flush=True)
+    server.serve_until_signal()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from refit_grpc.demo import run_demo
+
+    return run_demo(workers=args.workers, steps=args.steps, buffer_size_bytes=args.buffer_size_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="refit-grpc", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    shim = sub.add_parser("shim", help="serve RefitService next to one engine")
+    shim.add_argument("--engine", default="reference")
+    shim.add_argument("--address", default="127.0.0.1:50051",
+                      help="listen address (default loopback; port 0 picks a free one)")
+    shim.add_argument("--model", choices=["tiny-lm", "none"], default="tiny-lm",
+                      help="reference engine: the tiny LM, or a plain tensor store")
+    shim.add_argument("--seed", type=int, default=0)
+    shim.add_argument("--buffer-size-bytes", type=int, default=DEFAULT_BUFFER_SIZE_BYTES)
+    shim.add_argument("--num-buffers", type=int, default=DEFAULT_NUM_BUFFERS)
+    shim.add_argument("--max-epoch-s", type=float, default=600.0)
+    shim.add_argument("--grace-s", type=float, default=30.0)
+    shim.add_argument("--instance-id", default="")
+    shim.add_argument("--allow-master", action="append", default=None, metavar="CIDR",
+                      help="networks whose rendezvous the shim may join (default loopback)")
+    shim.set_defaults(func=_shim)
+
+    demo = sub.add_parser("demo", help="train a tiny LM and refit a local fleet every step")
+    demo.add_argument("--workers", type=int, default=3)
+    demo.add_argument("--steps", type=int, default=5)
+    demo.add_argument("--buffer-size-bytes", type=int, default=256 * 1024)
+    demo.set_defaults(func=_demo)
+
+    args = parser.parse_args(argv)
+    if getattr(args, "allow_master", "unset") is None:
+        args.allow_master = ["127.0.0.0/8", "::1/128"]
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

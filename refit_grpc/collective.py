@@ -1,0 +1,313 @@
+"""The data plane: one process group per refit session, and bucketed broadcast with deadlines.
+
+The group is a TCPStore at trainer rank 0 plus a backend group (gloo on CPU, NCCL on GPU) built
+directly, never through `torch.distributed.init_process_group`: a trainer already has its own
+default group, and an engine worker must not get one it does not own.
+
+Every wait here is bounded by a deadline and can be cancelled from another thread. Gloo cannot
+abort a pending operation (`ProcessGroupGloo.abort()` is a no-op), but dropping the group closes its
+TCP pairs, which fails every pending operation on the peers at once: `Group.close()` is therefore
+the abort, on either side.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from refit_grpc.errors import (
+    CollectiveError,
+    EpochAbortedError,
+    InvalidArgumentError,
+    InvalidPlanError,
+    RefitTimeoutError,
+)
+from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+# How often a blocked wait looks at its cancel event; bounds how late an abort is noticed.
+_CANCEL_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    master_address: str
+    master_port: int
+    world_size: int
+    rank: int
+    backend: str = "gloo"
+    group_id: str = "refit"
+
+    def validate(self) -> None:
+        if not self.master_address:
+            raise InvalidArgumentError("master_address is empty", reason="INVALID_MASTER_ADDRESS")
+        if not 0 < self.master_port < 65536:
+            raise InvalidArgumentError(f"master_port {self.master_port} out of range",
+                                       reason="INVALID_MASTER_PORT")
+        if self.world_size < 2:
+            raise InvalidArgumentError(f"world_size must be >= 2, got {self.world_size}",
+                                       reason="INVALID_WORLD_SIZE")
+        if not 0 <= self.rank < self.world_size:
+            raise InvalidArgumentError(f"rank {self.rank} outside [0, {self.world_size})",
+                                       reason="INVALID_RANK")
+        if self.backend not in BACKENDS:
+            raise InvalidArgumentError(f"backend {self.backend!r} not in {BACKENDS}",
+                                       reason="INVALID_BACKEND")
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise InvalidArgumentError("backend nccl needs CUDA, which this process lacks",
+                                       reason="BACKEND_UNAVAILABLE")
+        if not self.group_id:
+            raise InvalidArgumentError("group_id is empty", reason="INVALID_GROUP_ID")
+
+
+class Deadline:
+    """An absolute monotonic deadline plus a cancel flag, handed down every blocking call."""
+
+    def __init__(self, seconds: float, cancel: threading.Event | None = None):
+        self.at = time.monotonic() + seconds
+        self.cancel = cancel or threading.Event()
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+    def check(self, what: str) -> float:
+        if self.cancel.is_set():
+            raise EpochAbortedError(f"{what}: aborted", reason="EPOCH_ABORTED")
+        left = self.remaining()
+        if left <= 0:
+            raise RefitTimeoutError(f"{what}: deadline exceeded")
+        return left
+
+
+class Group:
+    """A joined data group. Only rank 0 ever sends."""
+
+    def __init__(self, spec: GroupSpec, store: dist.Store, pg: dist.ProcessGroup):
+        self.spec = spec
+        self._store = store
+        self._pg: dist.ProcessGroup | None = pg
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if spec.backend == "nccl" else torch.device("cpu")
+
+    @classmethod
+    def join(cls, spec: GroupSpec, timeout_s: float) -> Group:
+        """Rendezvous; blocks until every rank has joined or `timeout_s` passes."""
+        spec.validate()
+        timeout = datetime.timedelta(seconds=max(timeout_s, 0.001))
+        try:
+            store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size,
+                                  is_master=spec.rank == 0, timeout=timeout,
+                                  wait_for_workers=False)
+            prefixed = dist.PrefixStore(f"refit_grpc/{spec.group_id}", store)
+            if spec.backend == "gloo":
+                pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
+            else:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                pg = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, opts)
+        except (RuntimeError, dist.DistStoreError) as e:
+            text = str(e)
+            if "timeout" in text.lower() or "timed out" in text.lower():
+                raise RefitTimeoutError(f"rendezvous at {spec.master_address}:"
+                                        f"{spec.master_port} timed out after {timeout_s:.1f}s: "
+                                        f"{text[:300]}", reason="RENDEZVOUS_TIMEOUT") from e
+            raise CollectiveError(f"rendezvous at {spec.master_address}:{spec.master_port} "
+                                  f"failed: {text[:300]}", reason="RENDEZVOUS_FAILED") from e
+        log.info("joined group %s rank %d/%d (%s)", spec.group_id, spec.rank, spec.world_size,
+                 spec.backend)
+        return cls(spec, store, pg)
+
+    @property
+    def closed(self) -> bool:
+        return self._pg is None
+
+    def broadcast_async(self, tensor: torch.Tensor, deadline: Deadline) -> _PendingOp:
+        pg = self._pg
+        if pg is None:
+            raise CollectiveError("group is closed", reason="GROUP_CLOSED")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = datetime.timedelta(seconds=max(deadline.check("broadcast"), 0.001))
+        return _PendingOp(pg.broadcast([tensor], opts))
+
+    def close(self) -> None:
+        """Tear the group down; pending operations on every peer fail promptly."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        if self.spec.backend == "nccl":
+            try:
+                pg.abort()
+            except RuntimeError as e:  # already aborted or never initialised
+                log.debug("nccl abort: %s", e)
+        del pg
+        self._store = None
+        gc.collect()  # drop the gloo context now: that closes the sockets peers are blocked on
+
+
+class _PendingOp:
+    """A collective in flight, waited on with a deadline and a cancel flag."""
+
+    def __init__(self, work: dist.Work):
+        self._work = work
+        self._done = threading.Event()
+        work.get_future().add_done_callback(lambda _f: self._done.set())
+
+    def wait(self, deadline: Deadline, what: str) -> None:
+        while not self._done.wait(min(_CANCEL_POLL_S, max(deadline.check(what), 0.0))):
+            pass
+        try:
+            self._work.wait()
+        except RuntimeError as e:
+            text = str(e)
+            if "timed out" in text.lower():
+                raise RefitTimeoutError(f"{what}: {text[:300]}") from e
+            raise CollectiveError(f"{what}: peer failed: {text[:300]}") from e
+
+
+# --- packing: vLLM's packed format, byte for byte ----------------------------------------------
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (0-dim included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def pack_into(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Copy tensors back to back into the uint8 buffer `out`; returns the used prefix."""
+    offset = 0
+    for t in tensors:
+        n = t.nbytes
+        dst = out[offset:offset + n]
+        if t.is_contiguous():
+            dst.copy_(_byte_view(t.detach()))
+        else:
+            # Copy through a typed view of the destination when aligned: no temporary copy.
+            if offset % t.element_size() == 0 and n:
+                dst.view(t.dtype).view(t.shape).copy_(t.detach())
+            else:
+                dst.copy_(_byte_view(t.detach().contiguous()))
+        offset += n
+    return out[:offset]
+
+
+def unpack(buf: torch.Tensor, specs: Sequence[TensorSpec]) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """Yield (spec, uint8 slice) for each tensor of one bucket."""
+    offset = 0
+    for s in specs:
+        yield s, buf[offset:offset + s.nbytes]
+        offset += s.nbytes
+
+
+def as_tensor(spec: TensorSpec, raw: torch.Tensor) -> torch.Tensor:
+    """A typed tensor from its packed bytes (copies only when the offset is unaligned)."""
+    if raw.storage_offset() % spec.dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(spec.dtype).view(spec.shape)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    buckets: int
+    bytes: int
+    seconds: float
+
+
+class Sender:
+    """Trainer rank 0: packs the plan's buckets and broadcasts them.
+
+    Packing bucket i+1 overlaps the broadcast of bucket i (gloo and NCCL run the broadcast on their
+    own threads/streams); at most `num_buffers` packed buckets are alive at once.
+    """
+
+    def __init__(self, group: Group, plan: RefitPlan):
+        if group.spec.rank != 0:
+            raise InvalidArgumentError("only rank 0 sends", reason="INVALID_RANK")
+        self.group = group
+        self.plan = plan
+
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse, before any byte moves, tensors that do not match the plan."""
+        for s in self.plan.tensors:
+            t = tensors.get(s.name)
+            if t is None:
+                raise InvalidPlanError(f"tensor {s.name!r} of the plan is missing",
+                                       reason="MISSING_TENSOR")
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                raise InvalidPlanError(
+                    f"tensor {s.name!r} is {tuple(t.shape)} {t.dtype}, plan says {s.shape} {s.dtype}",
+                    reason="TENSOR_MISMATCH")
+
+    def send(self, tensors: Mapping[str, torch.Tensor], deadline: Deadline,
+             on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
+        self.check_tensors(tensors)
+        plan, device = self.plan, self.group.device
+        slots = _slots(plan, device)
+        in_flight: list[_PendingOp | None] = [None] * len(slots)
+        t0 = time.monotonic()
+        for bucket in plan.buckets:
+            k = bucket.index % len(slots)
+            if in_flight[k] is not None:
+                in_flight[k].wait(deadline, f"broadcast of bucket {bucket.index - len(slots)}")
+            specs = plan.tensors[bucket.start:bucket.stop]
+            buf = pack_into(slots[k], [tensors[s.name].to(device) for s in specs])
+            in_flight[k] = self.group.broadcast_async(buf, deadline)
+            if on_bucket:
+                on_bucket(bucket)
+        for op in in_flight:
+            if op is not None:
+                op.wait(deadline, "final broadcast")
+        return TransferStats(len(plan.buckets), plan.total_bytes, time.monotonic() - t0)
+
+
+def receive(group: Group, plan: RefitPlan, deadline: Deadline,
+            apply: Callable[[Bucket, Iterator[tuple[TensorSpec, torch.Tensor]]], None],
+            on_bucket: Callable[[Bucket], None] | None = None,
+            on_posted: Callable[[], None] | None = None) -> TransferStats:
+    """Engine rank: receive every bucket of the plan and hand each to `apply`.
+
+    The receive of the next `num_buffers - 1` buckets is posted before bucket i is applied, so
+    applying overlaps the transfer. `on_posted` runs once the first receive is posted: from then
+    on the sender may broadcast.
+    """
+    slots = _slots(plan, group.device)
+    buckets = plan.buckets
+    pending: dict[int, tuple[_PendingOp, torch.Tensor]] = {}
+
+    def post(i: int) -> None:
+        b = buckets[i]
+        buf = slots[i % len(slots)][:b.nbytes]
+        pending[i] = (group.broadcast_async(buf, deadline), buf)
+
+    t0 = time.monotonic()
+    for i in range(min(len(slots), len(buckets))):
+        post(i)
+    if on_posted:
+        on_posted()
+    for b in buckets:
+        op, buf = pending.pop(b.index)
+        op.wait(deadline, f"receive of bucket {b.index}/{len(buckets)}")
+        deadline.check(f"apply of bucket {b.index}")
+        apply(b, unpack(buf, plan.tensors[b.start:b.stop]))
+        if on_bucket:
+            on_bucket(b)
+        if b.index + len(slots) < len(buckets):
+            post(b.index + len(slots))
+    return TransferStats(len(buckets), plan.total_bytes, time.monotonic() - t0)
+
+
+def _slots(plan: RefitPlan, device: torch.device) -> list[torch.Tensor]:
+    """`num_buffers` reusable buffers, each as large as the largest bucket: the memory bound."""
+    biggest = max(b.nbytes for b in plan.buckets)
+    n = min(plan.packing.num_buffers, len(plan.buckets))
+    return [torch.empty(biggest, dtype=torch.uint8, device=device) for _ in range(n)]

@@ -1,0 +1,60 @@
+"""Where a worker's shim is, and the gRPC channel to it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from refit_grpc.shim.server import MAX_MESSAGE_BYTES
+
+
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    """One engine's shim. Mirrors the seed's `DynamoWorkerEndpoint(instance_id, system_url)`."""
+
+    instance_id: str
+    address: str  # gRPC target of the shim, e.g. "10.0.0.7:50051"
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> WorkerEndpoint:
+        """Reads `instance_id` and `address` (or `grpc_address`); other keys are ignored."""
+        address = metadata.get("address") or metadata.get("grpc_address")
+        if not metadata.get("instance_id") or not address:
+            raise ValueError(f"worker metadata needs instance_id and address: {dict(metadata)!r}")
+        return cls(str(metadata["instance_id"]), str(address))
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How the driver reaches shims: plaintext, TLS (optionally mutual) and/or a bearer token."""
+
+    root_certificates: bytes | None = None
+    private_key: bytes | None = None
+    certificate_chain: bytes | None = None
+    token: str | None = None
+    # Overrides the TLS server name to check, e.g. when certificates name "shim" not an IP.
+    server_name: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.root_certificates is not None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def open(self, address: str) -> grpc.Channel:
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   # Fail fast on a dead shim instead of waiting out the whole deadline.
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+        if not self.tls:
+            return grpc.insecure_channel(address, options=options)
+        if self.server_name:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        creds = grpc.ssl_channel_credentials(self.root_certificates, self.private_key,
+                                             self.certificate_chain)
+        return grpc.secure_channel(address, creds, options=options)

@@ -1,0 +1,1 @@
+"""Small models the reference engine serves and the demo trains."""

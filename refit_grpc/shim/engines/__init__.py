@@ -1,0 +1,38 @@
+"""Engines behind the shim, registered by name (the `--engine` flag)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from refit_grpc.shim.engines.base import Engine, EngineStatus, PauseMode
+
+_FACTORIES: dict[str, Callable[..., Engine]] = {}
+
+
+def register_engine(name: str, factory: Callable[..., Engine]) -> None:
+    if name in _FACTORIES:
+        raise ValueError(f"engine {name!r} is already registered")
+    _FACTORIES[name] = factory
+
+
+def create_engine(name: str, **options: Any) -> Engine:
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown engine {name!r}; known: {sorted(_FACTORIES)}")
+    return _FACTORIES[name](**options)
+
+
+def engine_names() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def _reference(**options: Any) -> Engine:
+    from refit_grpc.shim.engines.reference import ReferenceEngine
+
+    return ReferenceEngine(**options)
+
+
+register_engine("reference", _reference)
+
+__all__ = ["Engine", "EngineStatus", "PauseMode", "create_engine", "engine_names",
+           "register_engine"]

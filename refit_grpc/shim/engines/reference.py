@@ -1,0 +1,230 @@
+"""The reference engine: weights held in the shim's own process, received by the project's receiver.
+
+Two modes:
+- model (default): a `TinyLM` that also serves greedy generation, with a prefix cache and a
+  pause gate with vLLM's three modes (keep, wait, abort). The demo and Flush tests use it.
+- store (`model=None`): a plain name -> tensor store that adopts whatever layout the plan gives;
+  the byte-exactness tests use it to cover every dtype and shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+from refit_grpc.collective import Deadline, Group, GroupSpec, receive
+from refit_grpc.errors import (
+    EngineUnavailableError,
+    EpochAbortedError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    InvalidPlanError,
+)
+from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
+from refit_grpc.plan import Bucket, Packing, RefitPlan, TensorSpec, weights_digest
+from refit_grpc.shim.engines.base import Engine, EngineStatus, PauseMode
+
+log = logging.getLogger(__name__)
+
+
+class _PauseGate:
+    """Generation steps pass the gate; pause closes it with vLLM's semantics.
+
+    KEEP parks in-flight requests at their next step until resume; WAIT lets in-flight requests
+    finish before the pause completes; ABORT fails in-flight requests at their next step.
+    New requests wait while paused (bounded by their own deadline).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.paused = False
+        self._requests = 0  # requests admitted and not finished
+        self._stepping = 0  # requests inside a forward step right now
+        self._abort_generation = 0
+
+    def admit(self, deadline: Deadline) -> int:
+        with self._cond:
+            while self.paused:
+                self._cond.wait(min(0.05, max(deadline.check("waiting for resume"), 0.0)))
+            self._requests += 1
+            return self._abort_generation
+
+    def leave(self) -> None:
+        with self._cond:
+            self._requests -= 1
+            self._cond.notify_all()
+
+    def enter_step(self, ticket: int, deadline: Deadline) -> None:
+        with self._cond:
+            while True:
+                if ticket != self._abort_generation:
+                    raise EpochAbortedError("request aborted by pause(mode=abort)",
+                                            reason="REQUEST_ABORTED")
+                if not self.paused:
+                    break
+                self._cond.wait(min(0.05, max(deadline.check("paused mid-request"), 0.0)))
+            self._stepping += 1
+
+    def exit_step(self) -> None:
+        with self._cond:
+            self._stepping -= 1
+            self._cond.notify_all()
+
+    def pause(self, mode: PauseMode, deadline: Deadline) -> None:
+        with self._cond:
+            if mode is PauseMode.WAIT:
+                while self._requests:
+                    self._cond.wait(min(0.05, max(deadline.check("draining requests"), 0.0)))
+            self.paused = True
+            if mode is PauseMode.ABORT:
+                self._abort_generation += 1
+            self._cond.notify_all()
+            # Weights may change once no step is running; parked requests hold no step.
+            while self._stepping:
+                self._cond.wait(min(0.05, max(deadline.check("stopping steps"), 0.0)))
+
+    def resume(self) -> None:
+        with self._cond:
+            self.paused = False
+            self._cond.notify_all()
+
+
+class ReferenceEngine(Engine):
+    kind = "reference"
+
+    def __init__(self, model: TinyLMConfig | None = TinyLMConfig(), seed: int = 0,
+                 packing: Packing = Packing()):
+        self.offered_packing = packing
+        self._model: TinyLM | None = None
+        self._weights: dict[str, torch.Tensor] = {}
+        if model is not None:
+            torch.manual_seed(seed)
+            self._model = TinyLM(model).eval()
+            self._weights = dict(self._model.state_dict(keep_vars=False))
+        self._gate = _PauseGate()
+        self._prefix_cache: dict[tuple[int, ...], int] = {}
+        self._cache_lock = threading.Lock()
+        self._group: Group | None = None
+        self._group_lock = threading.Lock()
+        self._plan: RefitPlan | None = None
+
+    # --- state -----------------------------------------------------------------------------
+
+    def status(self) -> EngineStatus:
+        names = self._plan_order()
+        digest = weights_digest((n, self._weights[n]) for n in names) if names else ""
+        return EngineStatus(healthy=True, paused=self._gate.paused, weights_digest=digest)
+
+    def _plan_order(self) -> list[str]:
+        """The digest covers the plan's tensors in plan order (what the trainer can recompute)."""
+        if self._plan is not None:
+            return [s.name for s in self._plan.tensors if s.name in self._weights]
+        return list(self._weights)
+
+    def check_plan(self, plan: RefitPlan) -> None:
+        if self._model is None:
+            return  # store mode adopts any layout
+        for s in plan.tensors:
+            have = self._weights.get(s.name)
+            if have is None:
+                raise InvalidPlanError(f"engine has no tensor {s.name!r}", reason="UNKNOWN_TENSOR")
+            if tuple(have.shape) != s.shape or have.dtype != s.dtype:
+                raise InvalidPlanError(
+                    f"tensor {s.name!r}: engine has {tuple(have.shape)} {have.dtype}, plan says "
+                    f"{s.shape} {s.dtype}", reason="TENSOR_MISMATCH")
+
+    # --- serving ---------------------------------------------------------------------------
+
+    def pause(self, mode: PauseMode, deadline: Deadline) -> None:
+        self._gate.pause(mode, deadline)
+
+    def resume(self, deadline: Deadline) -> None:
+        self._gate.resume()
+
+    def reset_cache(self, deadline: Deadline) -> bool:
+        with self._cache_lock:
+            self._prefix_cache.clear()
+        return True
+
+    def generate(self, prompt: list[int], max_new_tokens: int,
+                 deadline: Deadline) -> tuple[list[int], bool]:
+        """Greedy tokens, and whether the first one came from the prefix cache."""
+        if self._model is None:
+            raise FailedPreconditionError("store-mode engine has no model to generate with",
+                                          reason="NO_MODEL")
+        if not prompt or max_new_tokens < 1:
+            raise InvalidArgumentError("prompt must be non-empty and max_new_tokens >= 1",
+                                       reason="INVALID_GENERATE_REQUEST")
+        vocab = self._model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidArgumentError(f"prompt tokens must be in [0, {vocab})",
+                                       reason="INVALID_TOKEN")
+        ticket = self._gate.admit(deadline)
+        try:
+            tokens, cached = list(prompt), False
+            for i in range(max_new_tokens):
+                self._gate.enter_step(ticket, deadline)
+                try:
+                    key = tuple(tokens)
+                    with self._cache_lock:
+                        hit = self._prefix_cache.get(key) if i == 0 else None
+                    if hit is not None:
+                        nxt, cached = hit, True
+                    else:
+                        nxt = self._model.generate(tokens, 1)[0]
+                        if i == 0:
+                            with self._cache_lock:
+                                self._prefix_cache[key] = nxt
+                finally:
+                    self._gate.exit_step()
+                tokens.append(nxt)
+            return tokens[len(prompt):], cached
+        finally:
+            self._gate.leave()
+
+    # --- weight transfer -------------------------------------------------------------------
+
+    def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:
+        self.abort_transfer()
+        group = Group.join(spec, deadline.check("rendezvous"))
+        with self._group_lock:
+            self._group = group
+
+    def receive(self, plan: RefitPlan, deadline: Deadline,
+                on_bucket: Callable[[Bucket], None]) -> None:
+        with self._group_lock:
+            group = self._group
+        if group is None or group.closed:
+            raise EngineUnavailableError("no data group; call InitCollective", reason="NO_GROUP")
+        if not self._gate.paused:
+            raise FailedPreconditionError("engine must be paused to receive", reason="NOT_PAUSED")
+        self._plan = plan
+        self._allocate(plan)
+        receive(group, plan, deadline, self._apply, on_bucket)
+
+    def _allocate(self, plan: RefitPlan) -> None:
+        for s in plan.tensors:
+            have = self._weights.get(s.name)
+            if have is None or tuple(have.shape) != s.shape or have.dtype != s.dtype:
+                self._weights[s.name] = torch.zeros(s.shape, dtype=s.dtype)
+
+    def _apply(self, bucket: Bucket, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for spec, raw in tensors:
+                dst = self._weights[spec.name]
+                dst.reshape(-1).view(torch.uint8).copy_(raw)
+
+    def finish(self, version: int, deadline: Deadline) -> str:
+        return self.status().weights_digest
+
+    def abort_transfer(self) -> None:
+        with self._group_lock:
+            group, self._group = self._group, None
+        if group is not None:
+            group.close()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._weights[name]

@@ -1,0 +1,144 @@
+"""The shim process: a gRPC server with RefitService, health, reflection and graceful SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from refit_grpc.collective import Deadline
+from refit_grpc.errors import RefitError
+from refit_grpc.proto import pb, pb_grpc, ref_pb, ref_pb_grpc
+from refit_grpc.shim.engines.base import Engine
+from refit_grpc.shim.service import RefitServicer, ShimConfig, _status_on_error
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RefitService"].full_name
+# gRPC's default 4 MiB is plenty: control messages never carry weights. A plan of a million
+# tensors is ~60 MiB, so the limit is raised to what max_plan_tensors allows.
+MAX_MESSAGE_BYTES = 128 << 20
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    address: str = "127.0.0.1:50051"
+    max_workers: int = 32
+    # Beyond this many RPCs in flight, new ones get RESOURCE_EXHAUSTED instead of queueing.
+    max_concurrent_rpcs: int = 64
+    grace_s: float = 30.0
+    health_poll_s: float = 1.0
+
+
+class ReferenceEngineServicer(ref_pb_grpc.ReferenceEngineServiceServicer):
+    def __init__(self, engine, refit: RefitServicer):
+        self.engine = engine
+        self.refit = refit
+
+    def Generate(self, request, context):
+        with _status_on_error(context):
+            remaining = context.time_remaining()
+            deadline = Deadline(60.0 if remaining is None else min(remaining, 600.0))
+            tokens, hit = self.engine.generate(list(request.prompt), request.max_new_tokens,
+                                               deadline)
+            return ref_pb.GenerateResponse(tokens=tokens, weight_version=self.refit._version,
+                                           prefix_cache_hit=hit)
+
+
+class ShimServer:
+    def __init__(self, engine: Engine, config: ShimConfig | None = None,
+                 options: ServerOptions | None = None,
+                 credentials: grpc.ServerCredentials | None = None,
+                 interceptors: tuple = ()):
+        self.engine = engine
+        self.options = options or ServerOptions()
+        self.servicer = RefitServicer(engine, config)
+        self.health = health.HealthServicer()
+        self._stop = threading.Event()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.options.max_workers,
+                                       thread_name_prefix="shim-rpc"),
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=self.options.max_concurrent_rpcs,
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_RefitServiceServicer_to_server(self.servicer, self._server)
+        services = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if hasattr(engine, "generate"):
+            ref_pb_grpc.add_ReferenceEngineServiceServicer_to_server(
+                ReferenceEngineServicer(engine, self.servicer), self._server)
+            services.append(ref_pb.DESCRIPTOR.services_by_name["ReferenceEngineService"].full_name)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(services, self._server)
+        if credentials is None:
+            self.port = self._server.add_insecure_port(self.options.address)
+        else:
+            self.port = self._server.add_secure_port(self.options.address, credentials)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.options.address}")
+        host = self.options.address.rsplit(":", 1)[0]
+        self.address = f"{host}:{self.port}"
+
+    def start(self) -> ShimServer:
+        self._server.start()
+        self._set_health(self.engine.status().healthy)
+        threading.Thread(target=self._watch_health, daemon=True, name="health").start()
+        log.info("shim %s (%s engine) serving on %s", self.servicer.config.instance_id,
+                 self.engine.kind, self.address)
+        return self
+
+    def _set_health(self, healthy: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if healthy
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def _watch_health(self) -> None:
+        while not self._stop.wait(self.options.health_poll_s):
+            try:
+                healthy = self.engine.status().healthy
+            except RefitError:
+                healthy = False
+            self._set_health(healthy)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Graceful stop: NOT_SERVING at once, in-flight RPCs get the grace period, then abort."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        grace = self.options.grace_s if grace_s is None else grace_s
+        done = self._server.stop(grace)
+        if not done.wait(grace + 5):
+            log.warning("server did not stop within the grace period")
+        self.engine.close()
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def serve_until_signal(self) -> None:
+        """Block until SIGTERM/SIGINT, then stop gracefully (exit status 0)."""
+        got = threading.Event()
+
+        def on_signal(signum, _frame):
+            log.info("signal %d: stopping (grace %.0fs)", signum, self.options.grace_s)
+            self.health.enter_graceful_shutdown()  # NOT_SERVING before anything else
+            got.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        while not got.wait(0.5):
+            pass
+        t0 = time.monotonic()
+        self.stop()
+        log.info("stopped in %.2fs", time.monotonic() - t0)
+

@@ -1,0 +1,446 @@
+"""RefitService: the shim's state machine around one engine.
+
+The state is derived, never stored, so it cannot drift from the facts it summarises:
+    RECEIVING  an epoch is in flight
+    BROKEN     weights were partly overwritten by a failed epoch (engine stays paused)
+    EMPTY      no plan
+    READY      plan + joined data group
+    PREPARED   plan, no group
+Transitions are checked under one lock; the long parts (rendezvous, receive) run outside it,
+guarded by the `_busy` marker so no two of them overlap.
+
+Refinement of the design: an epoch that fails before any byte reached the engine leaves the
+weights intact, so the engine is resumed and the shim returns to PREPARED (group torn down), not
+BROKEN. That is what lets one worker's refusal abort the others without taking them offline.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import any_pb2  # noqa: F401  (registers Any for status details)
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from refit_grpc.collective import Deadline, GroupSpec
+from refit_grpc.errors import (
+    ERROR_DOMAIN,
+    EpochAbortedError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    InvalidPlanError,
+    RefitError,
+    RefitTimeoutError,
+)
+from refit_grpc.plan import DTYPES, Packing, RefitPlan, TensorSpec
+from refit_grpc.proto import BACKEND_NAMES, DTYPE_FROM_PROTO, PAUSE_MODE_FROM_PROTO, pb, pb_grpc
+from refit_grpc.shim.engines.base import Engine, PauseMode
+
+log = logging.getLogger(__name__)
+
+State = int  # a pb.ShimState value
+
+
+@dataclass(frozen=True)
+class ShimConfig:
+    max_epoch_s: float = 600.0        # cap when the caller set no deadline (or a longer one)
+    max_join_s: float = 300.0
+    max_control_s: float = 60.0
+    max_plan_tensors: int = 1_000_000
+    max_plan_bytes: int = 1 << 40
+    # Masters the shim may join; a hostile caller must not point the engine at its own rendezvous.
+    allowed_master_networks: Sequence[str] = ("127.0.0.0/8", "::1/128")
+    instance_id: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+@dataclass
+class _Epoch:
+    version: int
+    deadline: Deadline
+    bytes_applied: int = 0
+
+
+class RefitServicer(pb_grpc.RefitServiceServicer):
+    def __init__(self, engine: Engine, config: ShimConfig | None = None):
+        self.engine = engine
+        self.config = config or ShimConfig()
+        self._networks = [ipaddress.ip_network(n) for n in self.config.allowed_master_networks]
+        self._lock = threading.Lock()
+        self._plan: RefitPlan | None = None
+        self._group: GroupSpec | None = None
+        self._weights_intact = True
+        self._version = 0
+        self._last_error = ""
+        self._busy: str | None = None  # "join" or "epoch" while one runs outside the lock
+        self._epoch: _Epoch | None = None
+        self._join_deadline: Deadline | None = None
+
+    # --- state -----------------------------------------------------------------------------
+
+    def state(self) -> State:
+        with self._lock:
+            return self._state_locked()
+
+    def _state_locked(self) -> State:
+        if self._epoch is not None:
+            return pb.SHIM_STATE_RECEIVING
+        if not self._weights_intact:
+            return pb.SHIM_STATE_BROKEN
+        if self._plan is None:
+            return pb.SHIM_STATE_EMPTY
+        if self._group is not None:
+            return pb.SHIM_STATE_READY
+        return pb.SHIM_STATE_PREPARED
+
+    def _refuse_state(self, what: str, allowed: Sequence[State]) -> None:
+        state = self._state_locked()
+        if state not in allowed:
+            names = ", ".join(pb.ShimState.Name(s) for s in allowed)
+            raise FailedPreconditionError(
+                f"{what} refused in state {pb.ShimState.Name(state)} (allowed: {names})",
+                reason="WRONG_STATE")
+
+    # --- RPCs ------------------------------------------------------------------------------
+
+    def Describe(self, request, context):
+        status = self.engine.status()
+        with self._lock:
+            return pb.DescribeResponse(
+                instance_id=self.config.instance_id,
+                engine_kind=self.engine.kind,
+                engine_world_size=self.engine.world_size,
+                state=self._state_locked(),
+                weight_version=self._version,
+                plan_digest=self._plan.digest if self._plan else "",
+                group_id=self._group.group_id if self._group else "",
+                packing=_packing_pb(self.engine.offered_packing),
+                last_error=self._last_error,
+                weights_digest=status.weights_digest,
+                paused=status.paused,
+                engine_healthy=status.healthy,
+                rank_offset=self._group.rank if self._group else -1,
+            )
+
+    def Prepare(self, request, context):
+        with _status_on_error(context):
+            plan = self._plan_from_request(request)
+            plan.validate(self.config.max_plan_bytes, self.config.max_plan_tensors)
+            self.engine.check_plan(plan)
+            with self._lock:
+                self._refuse_state("Prepare", [pb.SHIM_STATE_EMPTY, pb.SHIM_STATE_PREPARED,
+                                               pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
+                if self._busy:
+                    raise FailedPreconditionError(f"Prepare refused while {self._busy} runs",
+                                                  reason="BUSY")
+                if self._plan is None or self._plan.digest != plan.digest:
+                    # A new plan invalidates the group, which was formed against the old digest.
+                    self._drop_group_locked()
+                    self._plan = plan
+            log.info("prepared plan %s: %d tensors, %d bytes, %d buckets", plan.digest[:12],
+                     len(plan.tensors), plan.total_bytes, len(plan.buckets))
+            return pb.PrepareResponse(plan_digest=plan.digest, total_bytes=plan.total_bytes,
+                                      bucket_count=len(plan.buckets),
+                                      packing=_packing_pb(plan.packing))
+
+    def InitCollective(self, request, context) -> Iterator:
+        t0 = time.monotonic()
+        with _status_on_error(context):
+            deadline = self._deadline(context, self.config.max_join_s)
+            backend = BACKEND_NAMES.get(request.backend)
+            if backend is None:
+                raise InvalidArgumentError("backend must be GLOO or NCCL", reason="INVALID_BACKEND")
+            self._check_master(request.master_address)
+            spec = GroupSpec(request.master_address, request.master_port, request.world_size,
+                             request.rank_offset, backend, request.group_id)
+            spec.validate()
+            if request.rank_offset < 1:
+                raise InvalidArgumentError("rank_offset must be >= 1: rank 0 is the trainer",
+                                           reason="INVALID_RANK")
+            if request.rank_offset + self.engine.world_size > request.world_size:
+                raise InvalidArgumentError(
+                    f"ranks [{request.rank_offset}, {request.rank_offset + self.engine.world_size})"
+                    f" do not fit world_size {request.world_size}", reason="INVALID_RANK")
+            with self._lock:
+                self._refuse_state("InitCollective", [pb.SHIM_STATE_PREPARED, pb.SHIM_STATE_READY,
+                                                      pb.SHIM_STATE_BROKEN])
+                if self._busy:
+                    raise FailedPreconditionError(f"InitCollective refused while {self._busy} runs",
+                                                  reason="BUSY")
+                self._check_digest(request.plan_digest)
+                plan = self._plan
+                self._drop_group_locked()
+                self._busy = "join"
+                self._join_deadline = deadline
+            context.add_callback(deadline.cancel.set)  # a caller that goes away cancels the join
+            try:
+                yield pb.InitCollectiveResponse(phase=pb.INIT_COLLECTIVE_PHASE_ACCEPTED,
+                                                seconds=time.monotonic() - t0)
+                self.engine.init_transfer(spec, plan, deadline)
+                with self._lock:
+                    deadline.check("InitCollective")  # an Abort during the join wins
+                    self._group = spec
+                log.info("joined group %s as rank %d/%d", spec.group_id, spec.rank,
+                         spec.world_size)
+            except BaseException:
+                self.engine.abort_transfer()
+                raise
+            finally:
+                with self._lock:
+                    self._busy = None
+                    self._join_deadline = None
+            yield pb.InitCollectiveResponse(phase=pb.INIT_COLLECTIVE_PHASE_JOINED,
+                                            seconds=time.monotonic() - t0)
+
+    def UpdateWeights(self, request, context) -> Iterator:
+        t0 = time.monotonic()
+        with _status_on_error(context, self._record_error):
+            deadline = self._deadline(context, self.config.max_epoch_s)
+            if request.version < 1:
+                raise InvalidArgumentError(f"version must be >= 1, got {request.version}",
+                                           reason="INVALID_VERSION")
+            mode = PAUSE_MODE_FROM_PROTO.get(request.pause_mode, PauseMode.KEEP)
+            with self._lock:
+                self._refuse_state("UpdateWeights", [pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
+                if self._busy:
+                    raise FailedPreconditionError(f"UpdateWeights refused while {self._busy} runs",
+                                                  reason="BUSY")
+                if self._group is None:
+                    raise FailedPreconditionError("no data group: call InitCollective first",
+                                                  reason="NO_GROUP")
+                if request.version <= self._version:
+                    raise FailedPreconditionError(
+                        f"version {request.version} is not newer than applied {self._version}",
+                        reason="STALE_VERSION")
+                self._check_digest(request.plan_digest)
+                if request.group_id != self._group.group_id:
+                    raise FailedPreconditionError(
+                        f"group_id {request.group_id!r} != joined {self._group.group_id!r}",
+                        reason="GROUP_MISMATCH")
+                plan = self._plan
+                epoch = _Epoch(request.version, deadline)
+                self._epoch = epoch
+                self._busy = "epoch"
+            # A caller that goes away (trainer crash) cancels the receive; the deadline is the
+            # watchdog that ends it even when no cancellation ever arrives.
+            context.add_callback(deadline.cancel.set)
+            committed = False
+            was_paused = self.engine.status().paused
+            receiver: threading.Thread | None = None
+            try:
+                self.engine.pause(mode, deadline)
+                yield pb.UpdateWeightsResponse(phase=pb.UPDATE_WEIGHTS_PHASE_ACCEPTED,
+                                               version=request.version,
+                                               bucket_count=len(plan.buckets),
+                                               seconds=time.monotonic() - t0)
+                t_accept = time.monotonic()
+                # The receive runs on its own thread so a slow client reading PROGRESS can never
+                # stall the collective; the stream just relays its events.
+                events: queue.Queue = queue.Queue()
+                receiver = threading.Thread(
+                    target=self._receive, args=(plan, epoch, events), daemon=True,
+                    name=f"receive-v{request.version}")
+                receiver.start()
+                while True:
+                    try:
+                        kind, value = events.get(timeout=max(deadline.remaining(), 0.0) + 5.0)
+                    except queue.Empty:
+                        raise RefitTimeoutError("receive outlived its deadline") from None
+                    if kind == "error":
+                        raise value
+                    if kind == "bucket":
+                        yield pb.UpdateWeightsResponse(
+                            phase=pb.UPDATE_WEIGHTS_PHASE_PROGRESS, version=request.version,
+                            bucket_index=value.index, bucket_count=len(plan.buckets),
+                            bytes_received=epoch.bytes_applied,
+                            seconds=time.monotonic() - t_accept)
+                        continue
+                    digest = value
+                    break
+                with self._lock:
+                    deadline.check("commit")  # an Abort that raced the last bucket wins
+                    self._version = request.version
+                    self._weights_intact = True
+                    self._last_error = ""
+                    committed = True
+                log.info("committed version %d (%d bytes, %.3fs)", request.version,
+                         plan.total_bytes, time.monotonic() - t_accept)
+                yield pb.UpdateWeightsResponse(
+                    phase=pb.UPDATE_WEIGHTS_PHASE_COMMITTED, version=request.version,
+                    bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
+                    seconds=time.monotonic() - t_accept, weights_digest=digest)
+            finally:
+                if not committed:
+                    deadline.cancel.set()
+                    self.engine.abort_transfer()
+                    if receiver is not None:
+                        # Closing the group fails the pending receive at once; the bound is a guard.
+                        receiver.join(timeout=10.0)
+                    self._fail_epoch(epoch, was_paused)
+                with self._lock:
+                    self._epoch = None
+                    self._busy = None
+
+    def _receive(self, plan: RefitPlan, epoch: _Epoch, events: queue.Queue) -> None:
+        def on_bucket(bucket) -> None:
+            epoch.bytes_applied += bucket.nbytes
+            events.put(("bucket", bucket))
+
+        try:
+            self.engine.receive(plan, epoch.deadline, on_bucket)
+            events.put(("done", self.engine.finish(epoch.version, epoch.deadline)))
+        except BaseException as e:  # relayed to the handler thread, which owns the status
+            if not isinstance(e, RefitError):
+                log.exception("receive failed")
+                e = EpochAbortedError(f"receive failed: {type(e).__name__}: {e}",
+                                      reason="RECEIVE_FAILED")
+            events.put(("error", e))
+
+    def Flush(self, request, context):
+        with _status_on_error(context):
+            deadline = self._deadline(context, self.config.max_control_s)
+            mode = PAUSE_MODE_FROM_PROTO.get(request.mode, PauseMode.WAIT)
+            with self._lock:
+                state = self._state_locked()
+                if state == pb.SHIM_STATE_BROKEN:
+                    raise FailedPreconditionError(
+                        "engine is BROKEN (a failed epoch left partial weights); refusing to "
+                        "resume until a full update commits", reason="BROKEN")
+                self._refuse_state("Flush", [pb.SHIM_STATE_EMPTY, pb.SHIM_STATE_PREPARED,
+                                             pb.SHIM_STATE_READY])
+                if self._busy == "epoch":
+                    raise FailedPreconditionError("Flush refused while an epoch runs",
+                                                  reason="BUSY")
+            self.engine.pause(mode, deadline)
+            cleared = self.engine.reset_cache(deadline)
+            with self._lock:
+                # Re-check: an epoch may have failed meanwhile; never resume partial weights.
+                resume = self._weights_intact and self._epoch is None
+            if resume:
+                self.engine.resume(deadline)
+            return pb.FlushResponse(cache_cleared=cleared, resumed=resume, state=self.state())
+
+    def Abort(self, request, context):
+        with self._lock:
+            epoch = self._epoch
+            if epoch is not None:
+                epoch.deadline.cancel.set()
+            if self._join_deadline is not None:
+                self._join_deadline.cancel.set()
+            reason = request.reason or "Abort called"
+            self._last_error = f"aborted: {reason}"
+            self._group = None
+        self.engine.abort_transfer()  # unblocks a pending receive or join on every peer
+        log.warning("abort: %s (epoch in flight: %s)", reason, epoch is not None)
+        # The epoch's own handler finishes the transition; wait briefly so the answer is final.
+        end = time.monotonic() + 5.0
+        while self.state() == pb.SHIM_STATE_RECEIVING and time.monotonic() < end:
+            time.sleep(0.01)
+        return pb.AbortResponse(state=self.state(), epoch_aborted=epoch is not None)
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _fail_epoch(self, epoch: _Epoch, was_paused: bool) -> None:
+        self.engine.abort_transfer()
+        with self._lock:
+            self._group = None
+            if epoch.bytes_applied > 0 or self.engine.partial_on_failure:
+                self._weights_intact = False
+        if epoch.bytes_applied == 0 and not self.engine.partial_on_failure and not was_paused:
+            try:
+                self.engine.resume(Deadline(self.config.max_control_s))
+            except RefitError as e:
+                log.warning("resume after refused epoch failed: %s", e)
+        log.warning("epoch %d failed after %d bytes; state %s", epoch.version,
+                    epoch.bytes_applied, pb.ShimState.Name(self.state()))
+
+    def _record_error(self, err: RefitError) -> None:
+        with self._lock:
+            self._last_error = f"{err.reason}: {err.message}"
+
+    def _deadline(self, context, cap_s: float) -> Deadline:
+        remaining = context.time_remaining()
+        seconds = cap_s if remaining is None else min(remaining, cap_s)
+        return Deadline(seconds)
+
+    def _check_digest(self, digest: str) -> None:
+        if not self._plan:
+            raise FailedPreconditionError("no plan prepared", reason="WRONG_STATE")
+        if digest != self._plan.digest:
+            raise FailedPreconditionError(
+                f"plan_digest {digest[:16]!r} != prepared {self._plan.digest[:16]!r}",
+                reason="PLAN_DIGEST_MISMATCH")
+
+    def _check_master(self, address: str) -> None:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            raise InvalidArgumentError(f"master_address {address!r} is not an IP address",
+                                       reason="INVALID_MASTER_ADDRESS") from None
+        if not any(ip in net for net in self._networks):
+            raise FailedPreconditionError(
+                f"master_address {address} is outside the allowed networks "
+                f"{[str(n) for n in self._networks]}", reason="MASTER_NOT_ALLOWED")
+
+    def _drop_group_locked(self) -> None:
+        if self._group is not None:
+            self._group = None
+            self.engine.abort_transfer()
+
+    @staticmethod
+    def _plan_from_request(request) -> RefitPlan:
+        specs = []
+        for i, t in enumerate(request.tensors):
+            dtype = DTYPE_FROM_PROTO.get(t.dtype)
+            if dtype is None:
+                raise InvalidPlanError(
+                    f"tensor {i} ({t.name!r}): dtype {t.dtype} is not one of "
+                    f"{sorted(DTYPES)}", reason="UNSUPPORTED_DTYPE")
+            specs.append(TensorSpec(t.name, tuple(t.shape), dtype))
+        if request.HasField("packing"):
+            packing = Packing(request.packing.buffer_size_bytes, request.packing.num_buffers)
+        else:
+            packing = Packing()
+        return RefitPlan(tuple(specs), packing)
+
+
+def _packing_pb(p: Packing):
+    return pb.Packing(buffer_size_bytes=p.buffer_size_bytes, num_buffers=p.num_buffers)
+
+
+def status_for(err: RefitError) -> grpc.Status:
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN)
+    st = status_pb2.Status(code=err.code.value[0], message=err.message)
+    st.details.add().Pack(info)
+    return rpc_status.to_status(st)
+
+
+class _status_on_error:
+    """Turns a RefitError raised in a handler into its gRPC status with an ErrorInfo reason."""
+
+    def __init__(self, context, on_error=None):
+        self.context = context
+        self.on_error = on_error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or not isinstance(exc, RefitError):
+            return False
+        if self.on_error is not None:
+            self.on_error(exc)
+        log.info("refused: %s/%s: %s", exc.code.name, exc.reason, exc.message)
+        self.context.abort_with_status(status_for(exc))
+        return False
+
+
+__all__ = ["RefitServicer", "ShimConfig", "EpochAbortedError", "status_for"]
