@@ -10,12 +10,17 @@ from refit_grpc.plan import DEFAULT_BUFFER_SIZE_BYTES, DEFAULT_NUM_BUFFERS, Pack
 
 
 def _shim(args: argparse.Namespace) -> int:
+    import torch
+
     from refit_grpc.models.tiny_lm import TinyLMConfig
     from refit_grpc.shim.engines import create_engine
     from refit_grpc.shim.process import READY_PREFIX
     from refit_grpc.shim.server import ServerOptions, ShimServer
     from refit_grpc.shim.service import ShimConfig
 
+    # The shim's torch work is byte copies and single-threaded decoding; intra-op thread pools
+    # only spin against the trainer and the other shims for the machine's cores.
+    torch.set_num_threads(args.torch_threads)
     packing = Packing(args.buffer_size_bytes, args.num_buffers)
     options: dict = {"packing": packing}
     if args.engine == "reference":
@@ -57,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     shim.add_argument("--max-epoch-s", type=float, default=600.0)
     shim.add_argument("--grace-s", type=float, default=30.0)
     shim.add_argument("--instance-id", default="")
+    shim.add_argument("--torch-threads", type=int, default=1)
     shim.add_argument("--allow-master", action="append", default=None, metavar="CIDR",
                       help="networks whose rendezvous the shim may join (default loopback)")
     shim.set_defaults(func=_shim)

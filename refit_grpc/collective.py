@@ -141,18 +141,29 @@ class Group:
         return _PendingOp(pg.broadcast([tensor], opts))
 
     def close(self) -> None:
-        """Tear the group down; pending operations on every peer fail promptly."""
-        pg, self._pg = self._pg, None
-        if pg is None:
+        """Tear the group down; pending operations on every peer fail promptly.
+
+        Never blocks: destroying a gloo group joins its worker threads, which wait for any
+        pending operation to time out, so the last reference is dropped on a reaper thread.
+        """
+        if self._pg is None:
             return
+        # No local may keep a reference: the caller's frame would then run the destructor.
+        refs = [self._pg, self._store]
+        self._pg = self._store = None
         if self.spec.backend == "nccl":
             try:
-                pg.abort()
+                refs[0].abort()
             except RuntimeError as e:  # already aborted or never initialised
                 log.debug("nccl abort: %s", e)
-        del pg
-        self._store = None
-        gc.collect()  # drop the gloo context now: that closes the sockets peers are blocked on
+        threading.Thread(target=_reap, args=(refs,), daemon=True,
+                         name=f"reap-{self.spec.group_id}").start()
+        del refs
+
+
+def _reap(refs: list) -> None:
+    refs.clear()  # the last references: closes the gloo pairs (peers fail at once)
+    gc.collect()
 
 
 class _PendingOp:

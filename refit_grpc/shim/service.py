@@ -67,6 +67,7 @@ class _Epoch:
     version: int
     deadline: Deadline
     bytes_applied: int = 0
+    abort_reason: str = ""
 
 
 class RefitServicer(pb_grpc.RefitServiceServicer):
@@ -298,7 +299,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             self.engine.receive(plan, epoch.deadline, on_bucket)
             events.put(("done", self.engine.finish(epoch.version, epoch.deadline)))
         except BaseException as e:  # relayed to the handler thread, which owns the status
-            if not isinstance(e, RefitError):
+            if epoch.deadline.cancel.is_set() and epoch.deadline.remaining() > 0:
+                # Whatever the teardown made the receive trip over, the cause is the abort.
+                why = f"Abort: {epoch.abort_reason}" if epoch.abort_reason else str(e)
+                e = EpochAbortedError(f"epoch {epoch.version} aborted ({why})",
+                                      reason="EPOCH_ABORTED")
+            elif not isinstance(e, RefitError):
                 log.exception("receive failed")
                 e = EpochAbortedError(f"receive failed: {type(e).__name__}: {e}",
                                       reason="RECEIVE_FAILED")
@@ -331,11 +337,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     def Abort(self, request, context):
         with self._lock:
             epoch = self._epoch
+            reason = request.reason or "Abort called"
             if epoch is not None:
+                epoch.abort_reason = reason
                 epoch.deadline.cancel.set()
             if self._join_deadline is not None:
                 self._join_deadline.cancel.set()
-            reason = request.reason or "Abort called"
             self._last_error = f"aborted: {reason}"
             self._group = None
         self.engine.abort_transfer()  # unblocks a pending receive or join on every peer

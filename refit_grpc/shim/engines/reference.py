@@ -17,7 +17,7 @@ import torch
 
 from refit_grpc.collective import Deadline, Group, GroupSpec, receive
 from refit_grpc.errors import (
-    EngineUnavailableError,
+    CollectiveError,
     EpochAbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -198,7 +198,7 @@ class ReferenceEngine(Engine):
         with self._group_lock:
             group = self._group
         if group is None or group.closed:
-            raise EngineUnavailableError("no data group; call InitCollective", reason="NO_GROUP")
+            raise CollectiveError("no data group; call InitCollective", reason="NO_GROUP")
         if not self._gate.paused:
             raise FailedPreconditionError("engine must be paused to receive", reason="NOT_PAUSED")
         self._plan = plan

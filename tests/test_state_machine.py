@@ -1,0 +1,354 @@
+"""Every transition of the shim's state machine, and every refused one, over real gRPC + gloo."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from conftest import free_port, join_trainer
+
+from refit_grpc.collective import Deadline, Sender
+from refit_grpc.driver.endpoint import WorkerEndpoint
+from refit_grpc.driver.fleet import failure_from_rpc
+from refit_grpc.plan import Packing, RefitPlan
+from refit_grpc.proto import DTYPE_TO_PROTO, pb, ref_pb, ref_pb_grpc
+from refit_grpc.shim.engines.reference import ReferenceEngine
+from refit_grpc.shim.service import ShimConfig
+
+S = pb.ShimState
+
+
+def tensors_v(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g),
+            "mask": torch.rand(100, generator=g) > 0.5}
+
+
+def prepare_request(tensors, packing=Packing(4096, 2)) -> pb.PrepareRequest:
+    return pb.PrepareRequest(
+        tensors=[pb.TensorSpec(name=n, shape=t.shape, dtype=DTYPE_TO_PROTO[t.dtype])
+                 for n, t in tensors.items()],
+        packing=pb.Packing(buffer_size_bytes=packing.buffer_size_bytes,
+                           num_buffers=packing.num_buffers))
+
+
+def reason_of(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    f = failure_from_rpc(WorkerEndpoint("x", "x"), err)
+    return f.code, f.reason
+
+
+def refused(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        result = call()
+        if hasattr(result, "__iter__") and not isinstance(result, pb.DescribeResponse):
+            list(result)
+    return reason_of(e.value)
+
+
+def join(sh, digest: str, group_id: str = "g1"):
+    """Join the shim (rank 1) and this test as trainer rank 0; returns the trainer's Group."""
+    port = free_port()
+    t, box = join_trainer(port, 2, group_id)
+    phases = [m.phase for m in sh.stub.InitCollective(pb.InitCollectiveRequest(
+        master_address="127.0.0.1", master_port=port, world_size=2, rank_offset=1,
+        backend=pb.BACKEND_GLOO, group_id=group_id, plan_digest=digest), timeout=20)]
+    t.join(20)
+    assert phases == [pb.INIT_COLLECTIVE_PHASE_ACCEPTED, pb.INIT_COLLECTIVE_PHASE_JOINED]
+    return box["group"]
+
+
+class Epoch:
+    """An UpdateWeights stream read on a thread."""
+
+    def __init__(self, sh, version, digest, group_id="g1", mode=pb.PAUSE_MODE_KEEP):
+        self.messages, self.error = [], None
+        self.accepted = threading.Event()
+        self.call = sh.stub.UpdateWeights(pb.UpdateWeightsRequest(
+            version=version, plan_digest=digest, group_id=group_id, pause_mode=mode), timeout=20)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        try:
+            for m in self.call:
+                self.messages.append(m)
+                if m.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:
+                    self.accepted.set()
+        except grpc.RpcError as e:
+            self.error = e
+        finally:
+            self.accepted.set()
+
+    def join(self):
+        self.thread.join(20)
+        assert not self.thread.is_alive()
+        return self
+
+
+def full_epoch(sh, group, plan, tensors, version):
+    ep = Epoch(sh, version, plan.digest)
+    assert ep.accepted.wait(10) and ep.error is None
+    Sender(group, plan).send(tensors, Deadline(20))
+    ep.join()
+    assert ep.error is None, ep.error
+    return ep
+
+
+def test_describe_when_empty(shim):
+    sh = shim()
+    d = sh.describe()
+    assert d.state == S.SHIM_STATE_EMPTY and d.engine_kind == "reference"
+    assert d.instance_id and d.weight_version == 0 and d.rank_offset == -1
+    assert d.packing.buffer_size_bytes == 1 << 30 and d.packing.num_buffers == 2
+    assert d.engine_healthy and not d.paused and d.weights_digest
+
+
+def test_calls_in_the_wrong_state_are_refused(shim):
+    sh = shim(ReferenceEngine(model=None))
+    assert refused(lambda: sh.stub.InitCollective(pb.InitCollectiveRequest(
+        master_address="127.0.0.1", master_port=free_port(), world_size=2, rank_offset=1,
+        backend=pb.BACKEND_GLOO, group_id="g", plan_digest="x"), timeout=5)) == \
+        (grpc.StatusCode.FAILED_PRECONDITION, "WRONG_STATE")
+    assert refused(lambda: sh.stub.UpdateWeights(pb.UpdateWeightsRequest(
+        version=1, plan_digest="x", group_id="g"), timeout=5)) == \
+        (grpc.StatusCode.FAILED_PRECONDITION, "WRONG_STATE")
+    sh.stub.Prepare(prepare_request(tensors_v(1)), timeout=5)
+    assert sh.describe().state == S.SHIM_STATE_PREPARED
+    assert refused(lambda: sh.stub.UpdateWeights(pb.UpdateWeightsRequest(
+        version=1, plan_digest="x", group_id="g"), timeout=5)) == \
+        (grpc.StatusCode.FAILED_PRECONDITION, "WRONG_STATE")
+
+
+@pytest.mark.parametrize("mutate,code,reason", [
+    (lambda r: r.tensors.add(name="x", shape=[2]), grpc.StatusCode.INVALID_ARGUMENT,
+     "UNSUPPORTED_DTYPE"),
+    (lambda r: r.tensors.add(name="w", shape=[2], dtype=pb.D_TYPE_FLOAT32),
+     grpc.StatusCode.INVALID_ARGUMENT, "DUPLICATE_NAME"),
+    (lambda r: r.tensors.add(name="", shape=[2], dtype=pb.D_TYPE_FLOAT32),
+     grpc.StatusCode.INVALID_ARGUMENT, "EMPTY_NAME"),
+    (lambda r: r.tensors.add(name="n", shape=[-2], dtype=pb.D_TYPE_FLOAT32),
+     grpc.StatusCode.INVALID_ARGUMENT, "INVALID_SHAPE"),
+    (lambda r: r.tensors.add(name="big", shape=[1 << 40], dtype=pb.D_TYPE_FLOAT32),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "PLAN_TOO_LARGE"),
+    (lambda r: setattr(r.packing, "buffer_size_bytes", 0),
+     grpc.StatusCode.INVALID_ARGUMENT, "INVALID_PACKING"),
+    (lambda r: r.ClearField("tensors"), grpc.StatusCode.INVALID_ARGUMENT, "EMPTY_PLAN"),
+])
+def test_bad_plans_are_refused_and_change_nothing(shim, mutate, code, reason):
+    sh = shim(ReferenceEngine(model=None))
+    request = prepare_request(tensors_v(1))
+    mutate(request)
+    assert refused(lambda: sh.stub.Prepare(request, timeout=5)) == (code, reason)
+    d = sh.describe()
+    assert d.state == S.SHIM_STATE_EMPTY and d.plan_digest == ""
+
+
+def test_model_engine_refuses_a_plan_it_cannot_load(shim):
+    sh = shim()
+    assert refused(lambda: sh.stub.Prepare(prepare_request(tensors_v(1)), timeout=5)) == \
+        (grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_TENSOR")
+
+
+def test_init_collective_validation(shim):
+    sh = shim(ReferenceEngine(model=None), ShimConfig(allowed_master_networks=("127.0.0.0/8",)))
+    digest = sh.stub.Prepare(prepare_request(tensors_v(1)), timeout=5).plan_digest
+
+    def init(**kw):
+        fields = dict(master_address="127.0.0.1", master_port=free_port(), world_size=2,
+                      rank_offset=1, backend=pb.BACKEND_GLOO, group_id="g", plan_digest=digest)
+        fields.update(kw)
+        return refused(lambda: sh.stub.InitCollective(pb.InitCollectiveRequest(**fields),
+                                                       timeout=5))
+
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    assert init(plan_digest="nope") == (grpc.StatusCode.FAILED_PRECONDITION, "PLAN_DIGEST_MISMATCH")
+    assert init(rank_offset=0) == (bad, "INVALID_RANK")
+    assert init(rank_offset=2) == (bad, "INVALID_RANK")
+    assert init(world_size=1, rank_offset=0) == (bad, "INVALID_WORLD_SIZE")
+    assert init(backend=pb.BACKEND_UNSPECIFIED) == (bad, "INVALID_BACKEND")
+    assert init(master_port=0) == (bad, "INVALID_MASTER_PORT")
+    assert init(master_address="not-an-ip") == (bad, "INVALID_MASTER_ADDRESS")
+    assert init(master_address="10.1.2.3") == \
+        (grpc.StatusCode.FAILED_PRECONDITION, "MASTER_NOT_ALLOWED")
+    assert init(group_id="") == (bad, "INVALID_GROUP_ID")
+    assert sh.describe().state == S.SHIM_STATE_PREPARED
+
+
+def test_join_times_out_when_the_trainer_never_comes(shim):
+    sh = shim(ReferenceEngine(model=None))
+    digest = sh.stub.Prepare(prepare_request(tensors_v(1)), timeout=5).plan_digest
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(sh.stub.InitCollective(pb.InitCollectiveRequest(
+            master_address="127.0.0.1", master_port=free_port(), world_size=2, rank_offset=1,
+            backend=pb.BACKEND_GLOO, group_id="g", plan_digest=digest), timeout=2))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 6
+    time.sleep(0.5)
+    assert sh.describe().state == S.SHIM_STATE_PREPARED
+
+
+def test_epoch_lifecycle_and_refusals(shim):
+    sh = shim(ReferenceEngine(model=None))
+    t1 = tensors_v(1)
+    plan = RefitPlan.from_tensors(t1.items(), Packing(4096, 2))
+    assert sh.stub.Prepare(prepare_request(t1), timeout=5).plan_digest == plan.digest
+    group = join(sh, plan.digest)
+    d = sh.describe()
+    assert d.state == S.SHIM_STATE_READY and d.group_id == "g1" and d.rank_offset == 1
+
+    def update(**kw):
+        fields = dict(version=1, plan_digest=plan.digest, group_id="g1")
+        fields.update(kw)
+        return refused(lambda: sh.stub.UpdateWeights(pb.UpdateWeightsRequest(**fields), timeout=5))
+
+    assert update(version=0) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_VERSION")
+    assert update(plan_digest="x") == (grpc.StatusCode.FAILED_PRECONDITION, "PLAN_DIGEST_MISMATCH")
+    assert update(group_id="other") == (grpc.StatusCode.FAILED_PRECONDITION, "GROUP_MISMATCH")
+    assert sh.describe().state == S.SHIM_STATE_READY
+
+    ep = full_epoch(sh, group, plan, t1, 1)
+    phases = [m.phase for m in ep.messages]
+    assert phases[0] == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED
+    assert phases[-1] == pb.UPDATE_WEIGHTS_PHASE_COMMITTED
+    assert phases.count(pb.UPDATE_WEIGHTS_PHASE_PROGRESS) == len(plan.buckets)
+    assert ep.messages[-1].bytes_received == plan.total_bytes
+    d = sh.describe()
+    assert d.state == S.SHIM_STATE_READY and d.weight_version == 1
+    assert d.weights_digest == ep.messages[-1].weights_digest
+    from refit_grpc.plan import weights_digest
+    assert d.weights_digest == weights_digest(t1.items())
+
+    # Invariant 4: versions only move forward, refused before data moves.
+    assert update(version=1) == (grpc.StatusCode.FAILED_PRECONDITION, "STALE_VERSION")
+    assert sh.describe().weight_version == 1
+    flushed = sh.stub.Flush(pb.FlushRequest(), timeout=5)
+    assert flushed.resumed and flushed.cache_cleared and not sh.describe().paused
+    group.close()
+
+
+def test_failure_mid_epoch_breaks_and_flush_refuses_until_a_full_update(shim):
+    sh = shim(ReferenceEngine(model=None))
+    t1, t2, t3 = tensors_v(1), tensors_v(2), tensors_v(3)
+    plan = RefitPlan.from_tensors(t1.items(), Packing(4096, 2))
+    sh.stub.Prepare(prepare_request(t1), timeout=5)
+    group = join(sh, plan.digest)
+    full_epoch(sh, group, plan, t1, 1)
+
+    # The trainer sends one bucket of version 2, then its group goes away.
+    ep = Epoch(sh, 2, plan.digest)
+    assert ep.accepted.wait(10)
+    from refit_grpc.collective import pack_into
+    first = plan.buckets[0]
+    buf = torch.empty(first.nbytes, dtype=torch.uint8)
+    pack_into(buf, [t2[s.name] for s in plan.tensors[first.start:first.stop]])
+    group.broadcast_async(buf, Deadline(10)).wait(Deadline(10), "first bucket")
+    time.sleep(0.2)
+    group.close()
+    ep.join()
+    assert reason_of(ep.error)[0] == grpc.StatusCode.ABORTED
+    d = sh.describe()
+    # Invariant 1: partial weights are never served.
+    assert d.state == S.SHIM_STATE_BROKEN and d.paused and d.weight_version == 1
+    assert d.last_error
+    assert refused(lambda: sh.stub.Flush(pb.FlushRequest(), timeout=5)) == \
+        (grpc.StatusCode.FAILED_PRECONDITION, "BROKEN")
+    assert sh.describe().paused
+    assert refused(lambda: sh.stub.UpdateWeights(pb.UpdateWeightsRequest(
+        version=3, plan_digest=plan.digest, group_id="g1"), timeout=5)) == \
+        (grpc.StatusCode.FAILED_PRECONDITION, "NO_GROUP")
+
+    # Recovery: a new group and one full update.
+    group = join(sh, plan.digest, "g2")
+    assert sh.describe().state == S.SHIM_STATE_BROKEN
+    ep = Epoch(sh, 3, plan.digest, "g2")
+    assert ep.accepted.wait(10)
+    Sender(group, plan).send(t3, Deadline(20))
+    ep.join()
+    assert ep.error is None
+    from refit_grpc.plan import weights_digest
+    d = sh.describe()
+    assert d.state == S.SHIM_STATE_READY and d.weight_version == 3
+    assert d.weights_digest == weights_digest(t3.items())
+    assert sh.stub.Flush(pb.FlushRequest(), timeout=5).resumed
+    group.close()
+
+
+def test_abort_before_any_byte_keeps_weights_and_resumes(shim):
+    sh = shim(ReferenceEngine(model=None))
+    t1 = tensors_v(1)
+    plan = RefitPlan.from_tensors(t1.items(), Packing(4096, 2))
+    sh.stub.Prepare(prepare_request(t1), timeout=5)
+    group = join(sh, plan.digest)
+    full_epoch(sh, group, plan, t1, 1)
+    sh.stub.Flush(pb.FlushRequest(), timeout=5)
+    before = sh.describe().weights_digest
+    ep = Epoch(sh, 2, plan.digest)
+    assert ep.accepted.wait(10) and sh.describe().state == S.SHIM_STATE_RECEIVING
+    t0 = time.monotonic()
+    answer = sh.stub.Abort(pb.AbortRequest(reason="test"), timeout=5)
+    ep.join()
+    assert time.monotonic() - t0 < 2
+    assert answer.epoch_aborted and answer.state == S.SHIM_STATE_PREPARED
+    assert reason_of(ep.error)[0] == grpc.StatusCode.ABORTED
+    d = sh.describe()
+    assert d.state == S.SHIM_STATE_PREPARED and not d.paused and d.weights_digest == before
+    assert "test" in d.last_error
+    group.close()
+
+
+def test_receive_watchdog_fires_at_the_deadline_without_a_driver(shim):
+    sh = shim(ReferenceEngine(model=None), ShimConfig(max_epoch_s=1.5))
+    t1 = tensors_v(1)
+    plan = RefitPlan.from_tensors(t1.items(), Packing(4096, 2))
+    sh.stub.Prepare(prepare_request(t1), timeout=5)
+    group = join(sh, plan.digest)
+    t0 = time.monotonic()
+    ep = Epoch(sh, 1, plan.digest)  # no sender ever broadcasts
+    ep.join()
+    assert reason_of(ep.error)[0] == grpc.StatusCode.DEADLINE_EXCEEDED, ep.error.details()
+    assert time.monotonic() - t0 < 4
+    assert sh.describe().state == S.SHIM_STATE_PREPARED
+    group.close()
+
+
+def _generate(sh, prompt, n, out, key):
+    stub = ref_pb_grpc.ReferenceEngineServiceStub(sh.channel)
+    try:
+        out[key] = stub.Generate(ref_pb.GenerateRequest(prompt=prompt, max_new_tokens=n),
+                                 timeout=30)
+    except grpc.RpcError as e:
+        out[key] = e
+
+
+def test_flush_waits_for_inflight_requests_and_clears_the_prefix_cache(shim):
+    sh = shim()
+    out: dict = {}
+    _generate(sh, [1, 2, 3], 2, out, "warm")
+    _generate(sh, [1, 2, 3], 2, out, "cached")
+    assert out["cached"].prefix_cache_hit
+    slow = threading.Thread(target=_generate, args=(sh, [4, 5], 48, out, "inflight"))
+    slow.start()
+    time.sleep(0.05)
+    flushed = sh.stub.Flush(pb.FlushRequest(mode=pb.PAUSE_MODE_WAIT), timeout=30)
+    slow.join(30)
+    assert flushed.cache_cleared and flushed.resumed
+    assert not isinstance(out["inflight"], grpc.RpcError) and len(out["inflight"].tokens) == 48
+    _generate(sh, [1, 2, 3], 2, out, "after")
+    assert not out["after"].prefix_cache_hit
+    assert list(out["after"].tokens) == list(out["warm"].tokens)
+
+
+def test_flush_with_abort_mode_fails_inflight_requests(shim):
+    sh = shim()
+    out: dict = {}
+    slow = threading.Thread(target=_generate, args=(sh, [4, 5], 60, out, "inflight"))
+    slow.start()
+    time.sleep(0.1)
+    sh.stub.Flush(pb.FlushRequest(mode=pb.PAUSE_MODE_ABORT), timeout=30)
+    slow.join(30)
+    assert isinstance(out["inflight"], grpc.RpcError)
+    assert reason_of(out["inflight"]) == (grpc.StatusCode.ABORTED, "REQUEST_ABORTED")
