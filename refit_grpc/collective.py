@@ -12,6 +12,7 @@ the abort, on either side.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import logging
@@ -156,14 +157,32 @@ class Group:
                 refs[0].abort()
             except RuntimeError as e:  # already aborted or never initialised
                 log.debug("nccl abort: %s", e)
-        threading.Thread(target=_reap, args=(refs,), daemon=True,
-                         name=f"reap-{self.spec.group_id}").start()
+        reaper = threading.Thread(target=_reap, args=(refs,), daemon=True,
+                                  name=f"reap-{self.spec.group_id}")
         del refs
+        with _reapers_lock:
+            _reapers.append(reaper)
+        reaper.start()
+
+
+_reapers: list[threading.Thread] = []
+_reapers_lock = threading.Lock()
 
 
 def _reap(refs: list) -> None:
     refs.clear()  # the last references: closes the gloo pairs (peers fail at once)
     gc.collect()
+
+
+@atexit.register
+def join_reapers(timeout_s: float = 30.0) -> None:
+    """Let torn-down groups finish destroying themselves: a process that exits while a gloo
+    group is half destroyed dies in std::terminate (SIGABRT) instead of exiting cleanly."""
+    end = time.monotonic() + timeout_s
+    with _reapers_lock:
+        reapers = list(_reapers)
+    for r in reapers:
+        r.join(max(end - time.monotonic(), 0))
 
 
 class _PendingOp:

@@ -1,0 +1,167 @@
+"""A fleet of shim processes refit over a real gloo group: byte-exact, two-phase, membership."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import free_port
+from refit_grpc import (
+    EpochRefusedError,
+    Fleet,
+    MembershipChangedError,
+    Packing,
+    WorkerEndpoint,
+)
+from refit_grpc.plan import weights_digest
+from refit_grpc.proto import pb
+
+BUFFER = 8 * 1024
+
+
+def mixed_tensors(version: int) -> dict[str, torch.Tensor]:
+    """Every dtype the tests promise, 0-dim and odd shapes, non-contiguous sources, one tensor
+    larger than a bucket, and a tail of thousands of tiny tensors."""
+    g = torch.Generator().manual_seed(version)
+    t = {
+        "f32": torch.randn(33, 17, generator=g),
+        "bf16": torch.randn(5, 7, 3, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(129, generator=g).to(torch.float16),
+        "i8": torch.randint(-128, 127, (77,), generator=g, dtype=torch.int8),
+        "bool": torch.rand(3, 11, generator=g) > 0.5,
+        "scalar": torch.tensor(float(version)),
+        "scalar_i64": torch.tensor(version * 1000003, dtype=torch.int64),
+        "transposed": torch.randn(40, 24, generator=g).t(),  # non-contiguous
+        "strided": torch.randn(300, generator=g)[::3],        # non-contiguous
+        "huge": torch.randn(BUFFER // 2 + 123, generator=g),  # ~2 buckets of bytes (float32)
+    }
+    for i in range(2000):
+        t[f"tiny.{i}"] = torch.randn(1 + i % 3, generator=g).to(
+            (torch.float32, torch.bfloat16, torch.int8)[i % 3]
+            if i % 3 != 2 else torch.float32)
+    return t
+
+
+def info(tensors):
+    return {n: (tuple(x.shape), x.dtype) for n, x in tensors.items()}
+
+
+@pytest.mark.slow
+def test_fleet_of_four_refits_three_versions_byte_exact(shim_procs):
+    shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(4)]
+    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+               packing=Packing(BUFFER, 2), epoch_timeout_s=60) as fleet:
+        assert fleet.inference_world_size == 4
+        plan = fleet.prepare(info(mixed_tensors(1)))
+        assert len(plan.tensors) == 2010 and len(plan.buckets) >= 3
+        assert any(b.nbytes > BUFFER for b in plan.buckets)
+        link = fleet.connect("127.0.0.1", free_port())
+        for version in (1, 2, 3):
+            tensors = mixed_tensors(version)
+            report = fleet.refit(link, tensors, version=version)
+            want = weights_digest((s.name, tensors[s.name]) for s in plan.tensors)
+            assert report.version == version and report.bytes == plan.total_bytes
+            assert [w.weights_digest for w in report.workers] == [want] * 4
+            described = fleet.describe()
+            assert all(d.weights_digest == want and d.weight_version == version
+                       and d.state == pb.SHIM_STATE_READY and not d.paused for d in described)
+        link.close()
+
+
+@pytest.mark.slow
+def test_one_refusal_aborts_the_epoch_before_any_byte(shim_procs):
+    shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(3)]
+    endpoints = [WorkerEndpoint(s.instance_id, s.address) for s in shims]
+    t1, t2 = mixed_tensors(1), mixed_tensors(2)
+    with Fleet(endpoints, packing=Packing(BUFFER, 2), epoch_timeout_s=30) as fleet, \
+            Fleet(endpoints[:1], packing=Packing(BUFFER, 2), epoch_timeout_s=30) as solo:
+        fleet.prepare(info(t1))
+        link = fleet.connect("127.0.0.1", free_port())
+        fleet.refit(link, t1, version=1)
+        link.close()
+        # Worker 0 alone moves to version 10, so it will call version 2 stale.
+        solo.prepare(info(t1))
+        solo_link = solo.connect("127.0.0.1", free_port())
+        solo.refit(solo_link, t2, version=10)
+        solo_link.close()
+
+        link = fleet.connect("127.0.0.1", free_port())
+        before = [d.weights_digest for d in fleet.describe()]
+        t0 = time.monotonic()
+        with pytest.raises(EpochRefusedError) as e:
+            fleet.refit(link, t2, version=2)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 3.0, elapsed
+        assert e.value.workers == ["w0"] and e.value.reasons == {"STALE_VERSION"}
+        assert "STALE_VERSION" in str(e.value) and "w0" in str(e.value)
+        described = fleet.describe()
+        # Nobody is left receiving or broken; the others still hold (and serve) version 1.
+        assert [d.state for d in described] == [pb.SHIM_STATE_PREPARED] * 3
+        assert [d.weights_digest for d in described] == before
+        assert not any(d.paused for d in described)
+        assert [d.weight_version for d in described] == [10, 1, 1]
+
+        # The whole epoch re-runs with a version everyone accepts.
+        link = fleet.connect("127.0.0.1", free_port())
+        report = fleet.refit(link, t2, version=11)
+        assert len({w.weights_digest for w in report.workers}) == 1
+        link.close()
+
+
+@pytest.mark.slow
+def test_restarted_worker_is_refused_by_membership_check(shim_procs):
+    shims = [shim_procs("--model", "none") for _ in range(2)]
+    endpoints = [WorkerEndpoint(f"w{i}", s.address) for i, s in enumerate(shims)]
+    t1 = mixed_tensors(1)
+    with Fleet(endpoints, packing=Packing(BUFFER, 2), epoch_timeout_s=30) as fleet:
+        fleet.prepare(info(t1))
+        link = fleet.connect("127.0.0.1", free_port())
+        fleet.refit(link, t1, version=1)
+        shims[1].stop()
+        replacement = shim_procs("--model", "none", "--address", shims[1].address)
+        assert replacement.instance_id != shims[1].instance_id
+        with pytest.raises(MembershipChangedError) as e:
+            fleet.update_weights(2)
+        assert "w1" in str(e.value)
+        link.close()
+
+
+def test_validate_workers_hook_is_consulted():
+    calls = []
+
+    def validate(md):
+        calls.append(md)
+        return [dict(m, instance_id=m["instance_id"] + "-restarted") for m in md]
+
+    fleet = Fleet([WorkerEndpoint("a", "127.0.0.1:1")], validate_workers=validate,
+                  packing=Packing(1024, 2))
+    fleet._plan = object()  # past prepare(); the hook runs before any RPC
+    with pytest.raises(MembershipChangedError):
+        fleet.init_collective("127.0.0.1", 1234, 2, train_world_size=1)
+    assert calls
+    fleet.close()
+
+
+def test_fleet_surface_mirrors_the_seed():
+    import pickle
+
+    fleet = Fleet([{"instance_id": "a", "address": "127.0.0.1:1"},
+                   WorkerEndpoint("b", "127.0.0.1:2")], engine_world_size=2,
+                  packing=Packing(1024, 2), validate_workers=lambda m: m)
+    assert fleet.inference_world_size == 4
+    assert fleet.sender_spec == Packing(1024, 2)
+    copy = pickle.loads(pickle.dumps(fleet.client_copy()))
+    assert copy.endpoints == fleet.endpoints and copy.validate_workers is None
+    with pytest.raises(ValueError):
+        Fleet([])
+    with pytest.raises(RuntimeError):
+        fleet.update_weights()
+    with pytest.raises(ValueError):
+        fleet.prepare(None)
+    fleet._plan = object()
+    with pytest.raises(ValueError):
+        fleet.init_collective("127.0.0.1", 1, 4, train_world_size=1)
+    fleet.close()
+    copy.close()
