@@ -6,8 +6,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import free_port
+
 from refit_grpc import (
     EpochRefusedError,
     Fleet,
