@@ -30,5 +30,8 @@ test: proto lint
 demo: proto
 	$(VENV)/bin/refit-grpc demo
 
+bench: proto
+	$(VENV)/bin/refit-grpc bench
+
 clean:
 	rm -rf $(VENV) build *.egg-info refit_grpc/v1/*_pb2*.py refit_grpc/v1/*_pb2*.pyi

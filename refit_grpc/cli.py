@@ -1,4 +1,4 @@
-"""`refit-grpc shim | demo`: the command-line entry points."""
+"""`refit-grpc shim | demo | bench`: the command-line entry points."""
 
 from __future__ import annotations
 
@@ -45,6 +45,13 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(workers=args.workers, steps=args.steps, buffer_size_bytes=args.buffer_size_bytes)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from refit_grpc.bench import run_bench
+
+    return run_bench(workers=args.workers, total_mb=args.total_mb, tensors=args.tensors,
+                     buffer_size_bytes=args.buffer_size_bytes, reps=args.reps)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="refit-grpc", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -72,6 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--buffer-size-bytes", type=int, default=256 * 1024)
     demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="refit_grpc epoch vs the raw collective, side by side")
+    bench.add_argument("--workers", type=int, default=2)
+    bench.add_argument("--total-mb", type=float, default=64)
+    bench.add_argument("--tensors", type=int, default=64)
+    bench.add_argument("--buffer-size-bytes", type=int, default=16 << 20)
+    bench.add_argument("--reps", type=int, default=5)
+    bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
     if getattr(args, "allow_master", "unset") is None:

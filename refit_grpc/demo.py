@@ -85,8 +85,7 @@ def run_demo(workers: int = 3, steps: int = 5, buffer_size_bytes: int = 256 * 10
             digests_ok = all(d.weights_digest == want_digest for d in fleet.describe())
             tokens = [generate_on(s.address, PROMPT, 8) for s in shims]
             tokens_ok = all(t == want_tokens for t in tokens)
-            ok = digests_ok and tokens_ok and all(
-                w.weights_digest == want_digest for w in report.workers)
+            ok = digests_ok and tokens_ok
             failures += not ok
             print(f"epoch v={report.version} loss={loss.item():.3f} bytes={report.bytes} "
                   f"seconds={report.seconds:.3f} GB/s={report.gbps:.3f} "

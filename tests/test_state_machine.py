@@ -218,7 +218,6 @@ def test_epoch_lifecycle_and_refusals(shim):
     assert ep.messages[-1].bytes_received == plan.total_bytes
     d = sh.describe()
     assert d.state == S.SHIM_STATE_READY and d.weight_version == 1
-    assert d.weights_digest == ep.messages[-1].weights_digest
     from refit_grpc.plan import weights_digest
     assert d.weights_digest == weights_digest(t1.items())
 

@@ -113,7 +113,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     # --- RPCs ------------------------------------------------------------------------------
 
     def Describe(self, request, context):
-        status = self.engine.status()
+        status = self.engine.status(with_digest=True)
         with self._lock:
             return pb.DescribeResponse(
                 instance_id=self.config.instance_id,

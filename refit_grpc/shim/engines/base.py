@@ -37,7 +37,8 @@ class Engine(ABC):
     partial_on_failure: bool = False
 
     @abstractmethod
-    def status(self) -> EngineStatus: ...
+    def status(self, with_digest: bool = False) -> EngineStatus:
+        """Health and pause state; the weights digest only when asked (it may read every byte)."""
 
     @abstractmethod
     def check_plan(self, plan: RefitPlan) -> None:
@@ -64,7 +65,8 @@ class Engine(ABC):
 
     @abstractmethod
     def finish(self, version: int, deadline: Deadline) -> str:
-        """Commit `version`; returns the new weights digest ("" if unknown)."""
+        """Commit `version`; returns the new weights digest where the engine knows it without
+        extra work, else "" (Describe still reports it)."""
 
     @abstractmethod
     def abort_transfer(self) -> None:

@@ -110,12 +110,20 @@ class ReferenceEngine(Engine):
         self._group: Group | None = None
         self._group_lock = threading.Lock()
         self._plan: RefitPlan | None = None
+        self._digest: str | None = None
 
     # --- state -----------------------------------------------------------------------------
 
-    def status(self) -> EngineStatus:
-        names = self._plan_order()
-        digest = weights_digest((n, self._weights[n]) for n in names) if names else ""
+    def status(self, with_digest: bool = False) -> EngineStatus:
+        digest = ""
+        if with_digest:
+            # Hashing reads every byte, so it is done on demand (Describe) and cached until the
+            # weights change, never on the refit path.
+            digest = self._digest
+            if digest is None:
+                names = self._plan_order()
+                digest = weights_digest((n, self._weights[n]) for n in names) if names else ""
+                self._digest = digest
         return EngineStatus(healthy=True, paused=self._gate.paused, weights_digest=digest)
 
     def _plan_order(self) -> list[str]:
@@ -202,6 +210,7 @@ class ReferenceEngine(Engine):
         if not self._gate.paused:
             raise FailedPreconditionError("engine must be paused to receive", reason="NOT_PAUSED")
         self._plan = plan
+        self._digest = None
         self._allocate(plan)
         receive(group, plan, deadline, self._apply, on_bucket)
 
@@ -218,7 +227,7 @@ class ReferenceEngine(Engine):
                 dst.reshape(-1).view(torch.uint8).copy_(raw)
 
     def finish(self, version: int, deadline: Deadline) -> str:
-        return self.status().weights_digest
+        return ""
 
     def abort_transfer(self) -> None:
         with self._group_lock:
