@@ -200,7 +200,10 @@ class _PendingOp:
             self._work.wait()
         except RuntimeError as e:
             text = str(e)
-            if "timed out" in text.lower():
+            # gloo reports its op timeout as "Timed out waiting ..." on the op that hit it and
+            # as "Application timeout caused pair closure" on the others sharing the pair.
+            if "timed out" in text.lower() or "timeout" in text.lower() \
+                    or deadline.remaining() <= 0:
                 raise RefitTimeoutError(f"{what}: {text[:300]}") from e
             raise CollectiveError(f"{what}: peer failed: {text[:300]}") from e
 

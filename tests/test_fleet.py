@@ -166,3 +166,38 @@ def test_fleet_surface_mirrors_the_seed():
         fleet.init_collective("127.0.0.1", 1, 4, train_world_size=1)
     fleet.close()
     copy.close()
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_epoch_fails_fast_naming_it(shim_procs):
+    import signal
+
+    from refit_grpc import EpochFailedError
+    from refit_grpc.collective import Deadline
+    from refit_grpc.errors import CollectiveError
+
+    shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(3)]
+    big = {f"t{i}": torch.randn(256 * 1024) for i in range(16)}  # 16 MiB in 1 MiB buckets
+    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+               packing=Packing(1 << 20, 2), epoch_timeout_s=20) as fleet:
+        fleet.prepare(info(big))
+        link = fleet.connect("127.0.0.1", free_port())
+        handle = fleet.update_weights(1)
+        handle.wait_accepted()
+        shims[1].signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        # The sender sees the dead peer at once; the epoch handle names it.
+        with pytest.raises(CollectiveError):
+            link.sender.send(big, Deadline(20))
+        link.close()
+        with pytest.raises(EpochFailedError) as e:
+            handle.result()
+        assert time.monotonic() - t0 < 10, "survivors must not wait out the 20 s deadline"
+        assert e.value.workers[0] == "w1", str(e.value)
+        assert e.value.failures[0].code.name == "UNAVAILABLE"
+        survivors = [fleet._workers[i] for i in (0, 2)]
+        for w in survivors:
+            d = w.stub.Describe(pb.DescribeRequest(), timeout=5)
+            # Nobody is left receiving; whoever got bytes is BROKEN and paused.
+            assert d.state in (pb.SHIM_STATE_BROKEN, pb.SHIM_STATE_PREPARED)
+            assert d.paused == (d.state == pb.SHIM_STATE_BROKEN)

@@ -174,17 +174,30 @@ class EpochHandle:
                            "ACCEPT_TIMEOUT", "no ACCEPTED") for e in silent])
 
     def result(self, timeout_s: float | None = None) -> list[pb.UpdateWeightsResponse]:
-        """Block until every worker COMMITTED; raise EpochFailedError naming each failure."""
+        """Block until every worker COMMITTED; raise EpochFailedError naming each failure.
+
+        The first failure aborts the fleet at once: survivors blocked in a collective with a dead
+        peer would otherwise wait out their whole deadline.
+        """
         end = min(self._deadline_at + 2.0, time.monotonic() + (timeout_s or float("inf")))
-        for ev in self._done:
-            ev.wait(max(end - time.monotonic(), 0))
-        failures = [f for f in self._failures if f is not None]
-        unfinished = [self._fleet._workers[i].endpoint for i, ev in enumerate(self._done)
-                      if not ev.is_set()]
-        if not failures and not unfinished:
+        with self._changed:
+            while not all(ev.is_set() for ev in self._done):
+                if any(f is not None for f in self._failures):
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(min(left, 0.5))
+        if all(ev.is_set() for ev in self._done) and not any(self._failures):
             return list(self._committed)  # type: ignore[arg-type]
-        self.cancel()
         self._fleet.abort(f"epoch {self.version} failed")
+        self._settle(5.0)
+        self.cancel()
+        failures = [f for f in self._failures if f is not None]
+        failed_ids = {f.instance_id for f in failures}
+        unfinished = [self._fleet._workers[i].endpoint for i, ev in enumerate(self._done)
+                      if not ev.is_set() and self._fleet._workers[i].endpoint.instance_id
+                      not in failed_ids]
         failures += [WorkerFailure(e.instance_id, e.address, grpc.StatusCode.DEADLINE_EXCEEDED,
                                    "COMMIT_TIMEOUT", "no COMMITTED within the deadline")
                      for e in unfinished]
@@ -204,9 +217,17 @@ class EpochHandle:
 
 
 def _root_causes_first(failures: list[WorkerFailure]) -> list[WorkerFailure]:
-    """Workers that failed on their own come before those our fleet-wide Abort cancelled."""
-    return sorted(failures, key=lambda f: f.code == grpc.StatusCode.ABORTED
-                  and f.reason in ("EPOCH_ABORTED", "GROUP_CLOSED"))
+    """Order failures so the cause leads: a worker that vanished or failed on its own, then
+    workers whose collective broke because a peer went away, then those our Abort cancelled."""
+
+    def rank(f: WorkerFailure) -> int:
+        if f.code == grpc.StatusCode.UNAVAILABLE:
+            return 0
+        if f.code != grpc.StatusCode.ABORTED:
+            return 1 if f.reason != "COMMIT_TIMEOUT" else 4
+        return 2 if f.reason == "COLLECTIVE_FAILED" else 3
+
+    return sorted(failures, key=rank)
 
 
 @dataclass
@@ -417,8 +438,9 @@ class Fleet:
         except RefitError as e:
             link.close()
             self._group_id = None
+            self.abort(f"epoch {handle.version}: broadcast failed")
             try:
-                handle.result(timeout_s=2.0)
+                handle.result(timeout_s=5.0)
             except FleetError as fe:
                 raise EpochFailedError(f"broadcast failed ({e})", fe.failures,
                                        reason=e.reason) from e
