@@ -26,6 +26,11 @@ def _shim(args: argparse.Namespace) -> int:
     if args.engine == "reference":
         options["model"] = None if args.model == "none" else TinyLMConfig()
         options["seed"] = args.seed
+    else:
+        options["url"] = args.engine_url
+    for item in args.engine_option:
+        key, _, value = item.partition("=")
+        options[key.replace("-", "_")] = value
     engine = create_engine(args.engine, **options)
     config_kwargs = {"max_epoch_s": args.max_epoch_s,
                      "allowed_master_networks": tuple(args.allow_master)}
@@ -61,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     shim.add_argument("--engine", default="reference")
     shim.add_argument("--address", default="127.0.0.1:50051",
                       help="listen address (default loopback; port 0 picks a free one)")
+    shim.add_argument("--engine-url", default="http://127.0.0.1:8000",
+                      help="where the engine's own server listens (vllm: its OpenAI server)")
+    shim.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                      help="engine-specific option, passed to the engine's constructor")
     shim.add_argument("--model", choices=["tiny-lm", "none"], default="tiny-lm",
                       help="reference engine: the tiny LM, or a plain tensor store")
     shim.add_argument("--seed", type=int, default=0)
