@@ -16,6 +16,8 @@ import atexit
 import datetime
 import gc
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -111,7 +113,10 @@ class Group:
                                   wait_for_workers=False)
             prefixed = dist.PrefixStore(f"refit_grpc/{spec.group_id}", store)
             if spec.backend == "gloo":
-                pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                opts._devices = [_gloo_device(spec.master_address)]
+                pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, opts)
             else:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
@@ -183,6 +188,20 @@ def join_reapers(timeout_s: float = 30.0) -> None:
         reapers = list(_reapers)
     for r in reapers:
         r.join(max(end - time.monotonic(), 0))
+
+
+def _gloo_device(master_address: str) -> dist.ProcessGroupGloo.Device:
+    """The interface gloo advertises to its peers: GLOO_SOCKET_IFNAME when set, else the local
+    address this host routes to the master from. Gloo's own default resolves the hostname, which
+    on multi-homed hosts and in network namespaces often names an address peers cannot reach."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if ifname:
+        return dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
+    family = socket.AF_INET6 if ":" in master_address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((master_address, 9))  # UDP connect sends nothing; it only picks a route
+        local = s.getsockname()[0]
+    return dist.ProcessGroupGloo.create_device(hostname=local)
 
 
 class _PendingOp:

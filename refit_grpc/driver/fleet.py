@@ -255,6 +255,7 @@ class Fleet:
                  packing: Packing | None = None,
                  backend: str = "gloo",
                  retry_attempts: int = 5,
+                 abort_timeout_s: float = 2.0,
                  security: ChannelSecurity | None = None):
         if not workers:
             raise ValueError("a fleet needs at least one worker")
@@ -271,6 +272,7 @@ class Fleet:
         self.validate_workers = validate_workers
         self.backend = backend
         self.retry_attempts = retry_attempts
+        self.abort_timeout_s = abort_timeout_s
         self.security = security or ChannelSecurity()
         self._packing = packing
         self._workers = [_Worker(e, self.security) for e in self.endpoints]
@@ -289,14 +291,14 @@ class Fleet:
                      control_timeout_s=self.control_timeout_s, join_timeout_s=self.join_timeout_s,
                      epoch_timeout_s=self.epoch_timeout_s, packing=self._packing,
                      backend=self.backend, retry_attempts=self.retry_attempts,
-                     security=self.security)
+                     abort_timeout_s=self.abort_timeout_s, security=self.security)
 
     def __getstate__(self) -> dict:
         return {"endpoints": self.endpoints, "engine_world_size": self.engine_world_size,
                 "control_timeout_s": self.control_timeout_s, "join_timeout_s": self.join_timeout_s,
                 "epoch_timeout_s": self.epoch_timeout_s, "packing": self._packing,
                 "backend": self.backend, "retry_attempts": self.retry_attempts,
-                "security": self.security}
+                "abort_timeout_s": self.abort_timeout_s, "security": self.security}
 
     def __setstate__(self, state: dict) -> None:
         endpoints = state.pop("endpoints")
@@ -473,9 +475,11 @@ class Fleet:
         return self._unary_all("Describe", lambda w: pb.DescribeRequest(), "describe failed")
 
     def abort(self, reason: str = "aborted by driver") -> list[pb.AbortResponse | None]:
-        """Abort on every shim; best effort, never raises (a dead shim is already aborted)."""
+        """Abort on every shim in parallel; best effort, never raises, never retries, and bounded
+        by `abort_timeout_s`: a dead or frozen shim must not hold up the others' abort."""
         request = pb.AbortRequest(reason=reason)
-        futures = [self._pool.submit(self._call, w, "Abort", request) for w in self._workers]
+        futures = [self._pool.submit(w.stub.Abort, request, timeout=self.abort_timeout_s,
+                                     metadata=w.metadata) for w in self._workers]
         out = []
         for f in futures:
             try:

@@ -111,12 +111,13 @@ class ReferenceEngine(Engine):
         self._group_lock = threading.Lock()
         self._plan: RefitPlan | None = None
         self._digest: str | None = None
+        self._receiving = False  # weights are mid-update: no digest of them is meaningful
 
     # --- state -----------------------------------------------------------------------------
 
     def status(self, with_digest: bool = False) -> EngineStatus:
         digest = ""
-        if with_digest:
+        if with_digest and not self._receiving:
             # Hashing reads every byte, so it is done on demand (Describe) and cached until the
             # weights change, never on the refit path.
             digest = self._digest
@@ -210,9 +211,14 @@ class ReferenceEngine(Engine):
         if not self._gate.paused:
             raise FailedPreconditionError("engine must be paused to receive", reason="NOT_PAUSED")
         self._plan = plan
+        self._receiving = True
         self._digest = None
-        self._allocate(plan)
-        receive(group, plan, deadline, self._apply, on_bucket)
+        try:
+            self._allocate(plan)
+            receive(group, plan, deadline, self._apply, on_bucket)
+        finally:
+            self._digest = None
+            self._receiving = False
 
     def _allocate(self, plan: RefitPlan) -> None:
         for s in plan.tensors:
