@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from refit_grpc.plan import DEFAULT_BUFFER_SIZE_BYTES, DEFAULT_NUM_BUFFERS, Packing
 
@@ -13,6 +15,12 @@ def _shim(args: argparse.Namespace) -> int:
     import torch
 
     from refit_grpc.models.tiny_lm import TinyLMConfig
+    from refit_grpc.shim.auth import (
+        ExposureError,
+        TlsFiles,
+        TokenAuthInterceptor,
+        check_exposure,
+    )
     from refit_grpc.shim.engines import create_engine
     from refit_grpc.shim.process import READY_PREFIX
     from refit_grpc.shim.server import ServerOptions, ShimServer
@@ -36,12 +44,37 @@ def _shim(args: argparse.Namespace) -> int:
                      "allowed_master_networks": tuple(args.allow_master)}
     if args.instance_id:
         config_kwargs["instance_id"] = args.instance_id
+    tokens = _read_tokens(args.token_file)
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        tls = TlsFiles(Path(args.tls_cert), Path(args.tls_key),
+                       Path(args.tls_client_ca) if args.tls_client_ca else None)
+    elif args.tls_client_ca:
+        raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
+    try:
+        check_exposure(args.address, tls=tls is not None, token=bool(tokens),
+                       allow_insecure=args.insecure_listen)
+    except ExposureError as e:
+        raise SystemExit(str(e)) from None
     server = ShimServer(engine, ShimConfig(**config_kwargs),
-                        ServerOptions(address=args.address, grace_s=args.grace_s)).start()
+                        ServerOptions(address=args.address, grace_s=args.grace_s),
+                        credentials=tls.credentials() if tls else None,
+                        interceptors=(TokenAuthInterceptor(tokens),) if tokens else ()).start()
     # Parent processes (demo, tests) read this line to learn the port.
     print(f"{READY_PREFIX}{server.address} {server.servicer.config.instance_id}", flush=True)
     server.serve_until_signal()
     return 0
+
+
+def _read_tokens(path: str | None) -> list[str]:
+    """Tokens, one per line, from --token-file or the REFIT_GRPC_TOKEN variable (never a flag:
+    flags show up in process listings)."""
+    if path:
+        return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    token = os.environ.get("REFIT_GRPC_TOKEN", "").strip()
+    return [token] if token else []
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -79,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     shim.add_argument("--grace-s", type=float, default=30.0)
     shim.add_argument("--instance-id", default="")
     shim.add_argument("--torch-threads", type=int, default=1)
+    shim.add_argument("--token-file", help="bearer tokens, one per line (or REFIT_GRPC_TOKEN)")
+    shim.add_argument("--tls-cert", help="server certificate chain (PEM)")
+    shim.add_argument("--tls-key", help="server private key (PEM)")
+    shim.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
+    shim.add_argument("--insecure-listen", action="store_true",
+                      help="allow a non-loopback address without TLS or a token (logs a warning)")
     shim.add_argument("--allow-master", action="append", default=None, metavar="CIDR",
                       help="networks whose rendezvous the shim may join (default loopback)")
     shim.set_defaults(func=_shim)
