@@ -115,6 +115,8 @@ class EpochHandle:
         self._done = [threading.Event() for _ in range(n)]
         self._changed = threading.Condition()
         self._calls = [None] * n
+        self._aborted = False
+        self._unresponsive: set[int] = set()
         for i, w in enumerate(fleet._workers):
             call = w.stub.UpdateWeights(request, timeout=timeout_s, metadata=w.metadata)
             self._calls[i] = call
@@ -163,8 +165,10 @@ class EpochHandle:
         refused = [f for f in self._failures if f is not None]
         silent = [self._fleet._workers[i].endpoint for i, a in enumerate(self._accepted)
                   if not a and self._failures[i] is None]
-        self._fleet.abort(f"epoch {self.version} refused")
+        self.abort(f"epoch {self.version} refused")
         self._settle(2.0)
+        refused = [f for f in self._failures_so_far()
+                   if f.instance_id in {r.instance_id for r in refused}]
         if refused:
             raise EpochRefusedError(f"epoch {self.version} refused before any byte moved",
                                     refused, reason=refused[0].reason)
@@ -190,10 +194,10 @@ class EpochHandle:
                 self._changed.wait(min(left, 0.5))
         if all(ev.is_set() for ev in self._done) and not any(self._failures):
             return list(self._committed)  # type: ignore[arg-type]
-        self._fleet.abort(f"epoch {self.version} failed")
+        self.abort(f"epoch {self.version} failed")
         self._settle(5.0)
         self.cancel()
-        failures = [f for f in self._failures if f is not None]
+        failures = self._failures_so_far()
         failed_ids = {f.instance_id for f in failures}
         unfinished = [self._fleet._workers[i].endpoint for i, ev in enumerate(self._done)
                       if not ev.is_set() and self._fleet._workers[i].endpoint.instance_id
@@ -204,6 +208,27 @@ class EpochHandle:
         cls = FleetTimeoutError if unfinished and len(failures) == len(unfinished) \
             else EpochFailedError
         raise cls(f"epoch {self.version} failed", _root_causes_first(failures))
+
+    def abort(self, reason: str) -> None:
+        """Abort the fleet once for this epoch (every later call is a no-op)."""
+        if not self._aborted:
+            self._aborted = True
+            answers = self._fleet.abort(reason)
+            # A shim that cannot even answer Abort (frozen, partitioned, dead) is the likeliest
+            # cause when every stream merely timed out: it is named first.
+            self._unresponsive = {i for i, a in enumerate(answers) if a is None}
+
+    def _failures_so_far(self) -> list[WorkerFailure]:
+        out = []
+        for i, f in enumerate(self._failures):
+            if f is None:
+                continue
+            if i in self._unresponsive:
+                f = WorkerFailure(f.instance_id, f.address, grpc.StatusCode.UNAVAILABLE,
+                                  "UNRESPONSIVE", f"did not answer Abort; stream: {f.reason}: "
+                                  f"{f.message}")
+            out.append(f)
+        return out
 
     def cancel(self) -> None:
         for call in self._calls:
@@ -254,8 +279,8 @@ class Fleet:
                  validate_workers: Callable[[list[dict]], list[dict]] | None = None,
                  packing: Packing | None = None,
                  backend: str = "gloo",
-                 retry_attempts: int = 5,
-                 abort_timeout_s: float = 2.0,
+                 retry_attempts: int = 8,
+                 abort_timeout_s: float = 1.0,
                  security: ChannelSecurity | None = None):
         if not workers:
             raise ValueError("a fleet needs at least one worker")
@@ -440,7 +465,7 @@ class Fleet:
         except RefitError as e:
             link.close()
             self._group_id = None
-            self.abort(f"epoch {handle.version}: broadcast failed")
+            handle.abort(f"epoch {handle.version}: broadcast failed")
             try:
                 handle.result(timeout_s=5.0)
             except FleetError as fe:
@@ -505,7 +530,9 @@ class Fleet:
         """One unary call with a deadline, retried on UNAVAILABLE (exponential backoff, jitter)."""
         retry = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_unavailable),
-            wait=tenacity.wait_random_exponential(multiplier=0.05, max=2.0),
+            # Long enough to outlast the channel's reconnect backoff (max 1 s): a shim that just
+            # restarted must be reached, not declared gone after a burst of instant failures.
+            wait=tenacity.wait_random_exponential(multiplier=0.1, max=2.0),
             stop=(tenacity.stop_after_attempt(self.retry_attempts)
                   | tenacity.stop_after_delay(self.control_timeout_s)),
             reraise=True)

@@ -111,15 +111,22 @@ class ShimServer:
             self._set_health(healthy)
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Graceful stop: NOT_SERVING at once, in-flight RPCs get the grace period, then abort."""
+        """Graceful stop. Health goes NOT_SERVING at once and new epochs and joins are refused
+        (UNAVAILABLE/SHUTTING_DOWN), while Describe and health keep answering so operators and
+        load balancers can watch the drain. An epoch in flight gets the grace period to commit;
+        past it, it is aborted (the engine is then BROKEN or keeps its old weights, never
+        half-served). Then the server stops."""
         if self._stop.is_set():
             return
         self._stop.set()
         self.health.enter_graceful_shutdown()
         grace = self.options.grace_s if grace_s is None else grace_s
-        done = self._server.stop(grace)
-        if not done.wait(grace + 5):
-            log.warning("server did not stop within the grace period")
+        if not self.servicer.drain(grace):
+            log.warning("epoch still running after %.1fs grace: aborting it", grace)
+            self.servicer.abort_all("shim shutting down")
+        done = self._server.stop(2.0)
+        if not done.wait(7.0):
+            log.warning("server did not stop in time")
         self.engine.close()
 
     def wait(self) -> None:

@@ -34,6 +34,7 @@ from grpc_status import rpc_status
 from refit_grpc.collective import Deadline, GroupSpec
 from refit_grpc.errors import (
     ERROR_DOMAIN,
+    EngineUnavailableError,
     EpochAbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -84,6 +85,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._busy: str | None = None  # "join" or "epoch" while one runs outside the lock
         self._epoch: _Epoch | None = None
         self._join_deadline: Deadline | None = None
+        self._shutting_down = False
 
     # --- state -----------------------------------------------------------------------------
 
@@ -102,7 +104,25 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             return pb.SHIM_STATE_READY
         return pb.SHIM_STATE_PREPARED
 
+    def drain(self, grace_s: float) -> bool:
+        """Refuse new work; wait up to `grace_s` for a running epoch or join. True if idle."""
+        with self._lock:
+            self._shutting_down = True
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end:
+            with self._lock:
+                if self._busy is None:
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def abort_all(self, reason: str) -> None:
+        self._abort(reason)
+
     def _refuse_state(self, what: str, allowed: Sequence[State]) -> None:
+        if self._shutting_down:
+            raise EngineUnavailableError(f"{what} refused: the shim is shutting down",
+                                         reason="SHUTTING_DOWN")
         state = self._state_locked()
         if state not in allowed:
             names = ", ".join(pb.ShimState.Name(s) for s in allowed)
@@ -335,9 +355,16 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             return pb.FlushResponse(cache_cleared=cleared, resumed=resume, state=self.state())
 
     def Abort(self, request, context):
+        epoch = self._abort(request.reason or "Abort called")
+        # The epoch's own handler finishes the transition; wait briefly so the answer is final.
+        end = time.monotonic() + 5.0
+        while self.state() == pb.SHIM_STATE_RECEIVING and time.monotonic() < end:
+            time.sleep(0.01)
+        return pb.AbortResponse(state=self.state(), epoch_aborted=epoch is not None)
+
+    def _abort(self, reason: str) -> _Epoch | None:
         with self._lock:
             epoch = self._epoch
-            reason = request.reason or "Abort called"
             if epoch is not None:
                 epoch.abort_reason = reason
                 epoch.deadline.cancel.set()
@@ -347,11 +374,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             self._group = None
         self.engine.abort_transfer()  # unblocks a pending receive or join on every peer
         log.warning("abort: %s (epoch in flight: %s)", reason, epoch is not None)
-        # The epoch's own handler finishes the transition; wait briefly so the answer is final.
-        end = time.monotonic() + 5.0
-        while self.state() == pb.SHIM_STATE_RECEIVING and time.monotonic() < end:
-            time.sleep(0.01)
-        return pb.AbortResponse(state=self.state(), epoch_aborted=epoch is not None)
+        return epoch
 
     # --- helpers ---------------------------------------------------------------------------
 

@@ -1,0 +1,42 @@
+"""refit_grpc inside vLLM: a `gloo` weight-transfer backend for CPU engines.
+
+vLLM loads `vllm.general_plugins` entry points in every process it starts (API server, EngineCore,
+workers), before a worker builds its weight-transfer engine. `register()` (the entry point
+`refit_grpc_gloo`, see pyproject.toml) adds the `gloo` backend to vLLM's factory by module path
+only: the engine module, and with it torch.distributed and the rest of refit_grpc, is imported
+only in a worker that vLLM started with `--weight-transfer-config '{"backend": "gloo"}'`.
+
+`register()` is idempotent, never raises (a plugin that raises is logged by vLLM and skipped, but
+there is no reason to make it try), and costs one dictionary lookup when vLLM is absent.
+
+The sender side is the project's own: `refit_grpc.collective.Sender` behind `Fleet.refit` for gloo,
+`refit_grpc.vllm_plugin.nccl_sender` for vLLM's own `nccl` backend.
+"""
+
+from __future__ import annotations
+
+import logging
+
+BACKEND = "gloo"
+ENGINE_MODULE = "refit_grpc.vllm_plugin.engine"
+ENGINE_CLASS = "RefitGlooWeightTransferEngine"
+
+log = logging.getLogger("vllm.refit_grpc")  # under "vllm" so vLLM's log handlers print it
+
+
+def register() -> None:
+    """Register the `gloo` weight-transfer backend in vLLM's factory (entry point)."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError as e:  # a vLLM without the native weight-transfer API (< 0.16)
+        log.warning("refit_grpc: vLLM has no weight-transfer factory; %s not registered (%s)",
+                    BACKEND, e)
+        return
+    if BACKEND in WeightTransferEngineFactory._registry:
+        # Already ours (plugins load once per process, but a process may call this again), or a
+        # future vLLM that ships its own "gloo": either way, keep what is there.
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, ENGINE_MODULE, ENGINE_CLASS)
+    except ValueError:  # lost a race with another registration of the same name
+        pass

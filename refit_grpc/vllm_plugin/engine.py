@@ -1,0 +1,248 @@
+"""The `gloo` weight-transfer backend, running inside vLLM's workers.
+
+The wire is the project's own, by construction rather than by a second implementation: the group is
+`refit_grpc.collective.Group.join` (TCPStore client at the trainer's rank 0, PrefixStore
+`refit_grpc/<group_id>`, ProcessGroupGloo on the interface that routes to the master), the buckets
+are `refit_grpc.plan.RefitPlan.buckets` (vLLM's packing rule) and the receive loop is
+`refit_grpc.collective.receive` (num_buffers receives posted ahead, every wait bounded by a
+deadline). The sender is therefore exactly `Fleet.refit`'s.
+
+Loading is vLLM's layerwise reload, as its own NCCL backend does: `initialize_layerwise_reload` at
+/start_weight_update, `model.load_weights` per bucket, `finalize_layerwise_reload` at
+/finish_weight_update. Plain `load_weights` fails on CPU (oneDNN repacks linear weights and leaves
+`layer.weight` empty). Two consequences handled here:
+
+- layerwise reload keeps references to the loaded tensors until a layer is complete, and the
+  receive reuses its bucket buffers, so every tensor is copied out of the buffer before loading;
+- a failed receive leaves some layers on the meta device and vLLM drops the session, so the next
+  forward would kill the EngineCore: the session is rolled back (partially loaded layers get their
+  old kernel tensors back; completed layers keep the new weights) before the error propagates.
+
+The error of a failed update starts with `refit_grpc[applied=A/B]`: A buckets of B reached the
+model. With A == 0 the rollback restored every layer, so the weights are the old ones; the shim
+(`refit_grpc.shim.engines.vllm`) reads the marker from vLLM's HTTP 500 body.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from refit_grpc.collective import Deadline, Group, GroupSpec, receive
+from refit_grpc.plan import (
+    DEFAULT_BUFFER_SIZE_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    Bucket,
+    Packing,
+    RefitPlan,
+    TensorSpec,
+    dtype_from_name,
+)
+
+log = logging.getLogger("vllm.refit_grpc")
+
+APPLIED_RE = re.compile(r"refit_grpc\[applied=(\d+)/(\d+)\]")
+
+
+def applied_marker(applied: int, total: int) -> str:
+    return f"refit_grpc[applied={applied}/{total}]"
+
+
+@dataclass(kw_only=True)
+class RefitGlooInitInfo(WeightTransferInitInfo):
+    """`init_info` of POST /init_weight_transfer_engine for this backend."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int  # this engine's first rank; worker rank = dp * (tp * pp) + rank + offset
+    world_size: int
+    group_id: str = "refit"  # the PrefixStore is refit_grpc/<group_id>, as in Group.join
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
+    timeout_s: float = 600.0  # rendezvous, and each update without its own timeout_s
+
+    def __post_init__(self) -> None:
+        if not self.packed:
+            raise ValueError("the refit_grpc gloo backend speaks vLLM's packed format only "
+                             "(packed=true)")
+        if self.rank_offset < 1:
+            raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer), "
+                             f"got {self.rank_offset}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        self.packing.validate()
+
+    @property
+    def packing(self) -> Packing:
+        return Packing(int(self.packed_buffer_size_bytes), int(self.packed_num_buffers))
+
+
+@dataclass
+class RefitGlooUpdateInfo(WeightTransferUpdateInfo):
+    """`update_info` of POST /update_weights: the plan in vLLM's field names, plus a deadline."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    timeout_s: float | None = None  # this update's deadline (the shim passes its epoch's)
+    plan_digest: str | None = None  # if set, the plan rebuilt here must have exactly this digest
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n:
+            raise ValueError(f"names/dtype_names/shapes lengths differ: {n}/"
+                             f"{len(self.dtype_names)}/{len(self.shapes)}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    def plan(self, packing: Packing) -> RefitPlan:
+        specs = tuple(TensorSpec(name, tuple(int(d) for d in shape), dtype_from_name(dt))
+                      for name, dt, shape in zip(self.names, self.dtype_names, self.shapes))
+        plan = RefitPlan(specs, packing)
+        plan.validate()
+        if self.plan_digest and plan.digest != self.plan_digest:
+            raise ValueError(f"plan digest {plan.digest[:16]} != the sender's "
+                             f"{self.plan_digest[:16]}: the two sides would cut buckets "
+                             "differently")
+        return plan
+
+
+class RefitGlooWeightTransferEngine(
+        WeightTransferEngine[RefitGlooInitInfo, RefitGlooUpdateInfo]):
+    init_info_cls = RefitGlooInitInfo
+    update_info_cls = RefitGlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: Group | None = None
+        self.info: RefitGlooInitInfo | None = None
+        self.rank: int | None = None
+        self.last_stats: dict[str, Any] = {}
+        self._applied = 0  # buckets handed to load_weights in the current update
+        self._total = 0
+
+    # --- group -----------------------------------------------------------------------------
+
+    def worker_rank(self, rank_offset: int) -> int:
+        """vLLM's rule (nccl_common.worker_init_process_group): unique across DP replicas."""
+        pc = self.parallel_config
+        return pc.data_parallel_index * pc.world_size + pc.rank + rank_offset
+
+    def init_transfer_engine(self, init_info: RefitGlooInitInfo) -> None:
+        if self.group is not None and not self.group.closed:
+            raise RuntimeError("refit_grpc gloo weight transfer is already initialised; "
+                               "POST /shutdown_weight_transfer_engine first")
+        rank = self.worker_rank(init_info.rank_offset)
+        spec = GroupSpec(init_info.master_address, init_info.master_port, init_info.world_size,
+                         rank, "gloo", init_info.group_id)
+        t0 = time.monotonic()
+        self.group = Group.join(spec, init_info.timeout_s)
+        self.info, self.rank = init_info, rank
+        log.info("refit_grpc gloo: rank %d/%d joined group %s at %s:%d in %.3fs", rank,
+                 init_info.world_size, init_info.group_id, init_info.master_address,
+                 init_info.master_port, time.monotonic() - t0)
+
+    def shutdown(self) -> None:
+        group, self.group, self.info = self.group, None, None
+        if group is not None:
+            group.close()  # never blocks; peers' pending operations fail at once
+
+    # --- one update ------------------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # Overrides the base, which ends in torch.accelerator.synchronize(): that raises on a
+        # CPU-only host, and every receive here has completed when receive() returns.
+        self._applied, self._total = 0, 0
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except Exception as e:
+            restored = self._rollback_layerwise_reload()
+            raise RuntimeError(
+                f"{applied_marker(self._applied, self._total)} receive failed "
+                f"({type(e).__name__}: {e}); rolled back ({restored} partly loaded layers "
+                f"restored{'' if self._applied else ', weights unchanged'})") from e
+        except BaseException:
+            self._rollback_layerwise_reload()
+            raise
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: RefitGlooUpdateInfo) -> None:
+        group, info = self.group, self.info
+        if group is None or group.closed or info is None:
+            raise RuntimeError("refit_grpc gloo weight transfer is not initialised; "
+                               "POST /init_weight_transfer_engine first")
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        plan = update_info.plan(info.packing)
+        self._total = len(plan.buckets)
+        self.last_stats = {"buckets": len(plan.buckets), "bytes": plan.total_bytes}
+        deadline = Deadline(update_info.timeout_s or info.timeout_s)
+
+        def apply(bucket: Bucket, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
+            # Counted before loading: a bucket that fails halfway may have completed layers.
+            self._applied += 1
+            with torch.no_grad():
+                self.model.load_weights([(spec.name, _owned(spec, raw)) for spec, raw in tensors])
+
+        with disable_mtp_completeness_check():
+            stats = receive(group, plan, deadline, apply)
+        self.last_stats.update(seconds=stats.seconds, rank=self.rank)
+        log.info("refit_grpc gloo: received %d buckets, %d bytes in %.3fs", stats.buckets,
+                 stats.bytes, stats.seconds)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def _rollback_layerwise_reload(self) -> int:
+        """End the layerwise session after a failure; returns how many partly loaded layers got
+        their old kernel tensors back. vLLM's worker drops the session on any update error, so
+        without this the layers still on the meta device would kill the next forward."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        partial = 0
+        for layer in self.model.modules():
+            info = LAYERWISE_INFO.get(layer)
+            if info is not None and info.can_load() and info.load_numel > 0:
+                # Some but not all of this layer's tensors arrived: drop them, so finalize puts
+                # the old kernel tensors back instead of processing a half-filled layer.
+                info.loaded_weights = []
+                info.load_numel = 0
+                partial += 1
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except Exception:  # noqa: BLE001  (the original error is what the caller must see)
+            log.exception("refit_grpc gloo: rollback of the layerwise reload failed")
+        log.warning("refit_grpc gloo: update failed after %d buckets; layerwise reload rolled "
+                    "back (%d partly loaded layers restored)", self._applied, partial)
+        return partial
+
+
+def _owned(spec: TensorSpec, raw: torch.Tensor) -> torch.Tensor:
+    """A typed copy of one tensor's packed bytes: layerwise reload keeps what it is given until
+    the layer completes, and the bucket buffer is reused for a later bucket."""
+    return raw.clone().view(spec.dtype).view(spec.shape)
+

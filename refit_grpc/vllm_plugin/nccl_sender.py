@@ -1,0 +1,253 @@
+"""Trainer rank 0 for vLLM's own `nccl` weight-transfer backend (GPU engines).
+
+vLLM's NCCL receiver (`vllm.distributed.weight_transfer.nccl_engine`) does not form a torch
+process group: each worker calls `StatelessProcessGroup.create(master_address, master_port, rank,
+world_size)` (a bare TCPStore, no prefix; rank 0 hosts it) and builds a `PyNcclCommunicator` on it,
+which takes the `ncclUniqueId` that rank 0 publishes under the store key `broadcast_from/0/0`, runs
+`ncclCommInitRank` and a one-element warm-up all_reduce. A `ProcessGroupNCCL` (what
+`refit_grpc.collective.Group` builds) cannot join that, so this module is the trainer's side of
+vLLM's rendezvous, done with vLLM's own classes (imported lazily: the trainer needs vLLM installed
+for this path only):
+
+    rendezvous   StatelessProcessGroup.create(ip, port, rank=0, world_size) + PyNcclCommunicator
+    wire         the plan's buckets (`RefitPlan.buckets`, vLLM's packing rule), packed by
+                 `collective.pack_into`, one ncclBroadcast from rank 0 per bucket, in plan order
+    worker side  /init_weight_transfer_engine with `worker_init_info(...)`: packed=true and the
+                 plan's buffer size and count, so vLLM's consumer cuts the same buckets
+
+With a `Fleet(backend="nccl")` of shims in front of vLLM engines started with
+`--weight-transfer-config '{"backend": "nccl"}'`:
+
+    link = connect(fleet, my_ip, free_port)      # shims join (InitCollective), trainer joins
+    fleet.refit(link, model.state_dict())        # same epochs, deadlines and aborts as gloo
+
+Every wait is bounded: the rendezvous runs on a helper thread joined with the join deadline, and
+the broadcast's completion is polled through CUDA events against the epoch deadline; on expiry the
+communicator is aborted (`ncclCommAbort`), which fails the peers' pending collectives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refit_grpc.collective import Deadline, Sender, TransferStats, pack_into
+from refit_grpc.errors import (
+    CollectiveError,
+    FleetError,
+    InvalidArgumentError,
+    RefitError,
+    RefitTimeoutError,
+)
+from refit_grpc.plan import Bucket, Packing, RefitPlan, dtype_name
+
+# The one key vLLM's PyNcclCommunicator exchanges through a StatelessProcessGroup: rank 0's
+# first broadcast_obj (the pickled ncclUniqueId). No prefix: the store is the group.
+UNIQUE_ID_KEY = "broadcast_from/0/0"
+_POLL_S = 0.002
+
+
+def worker_init_info(master_address: str, master_port: int, world_size: int, rank_offset: int,
+                     packing: Packing) -> dict[str, Any]:
+    """`init_info` for vLLM's `nccl` backend (`NCCLWeightTransferInitInfo`), TCP rendezvous mode,
+    carrying the plan's packing so the worker cuts the same buckets."""
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "packed": True,
+        "packed_buffer_size_bytes": int(packing.buffer_size_bytes),
+        "packed_num_buffers": int(packing.num_buffers),
+    }
+
+
+def worker_update_info(plan: RefitPlan) -> dict[str, Any]:
+    """`update_info` for vLLM's `nccl` backend (`NCCLWeightTransferUpdateInfo`)."""
+    return {"names": [s.name for s in plan.tensors],
+            "dtype_names": [dtype_name(s.dtype) for s in plan.tensors],
+            "shapes": [list(s.shape) for s in plan.tensors]}
+
+
+def worker_ranks(rank_offset: int, tp_pp_size: int, dp_size: int = 1) -> list[int]:
+    """The ranks one vLLM engine's workers take: `dp_index * (tp * pp) + rank + rank_offset`
+    (vLLM's `worker_init_process_group`)."""
+    return [dp * tp_pp_size + r + rank_offset for dp in range(dp_size) for r in range(tp_pp_size)]
+
+
+def open_rendezvous(master_address: str, master_port: int, world_size: int, timeout_s: float):
+    """Rank 0's `StatelessProcessGroup` (hosts the TCPStore; returns once every rank connected,
+    or raises after `timeout_s`). vLLM's own class, so keys and framing are vLLM's."""
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    return StatelessProcessGroup.create(host=master_address, port=master_port, rank=0,
+                                        world_size=world_size,
+                                        store_timeout=max(1, int(round(timeout_s))))
+
+
+class NcclSender:
+    """Packs the plan's buckets and broadcasts them from rank 0 over a PyNcclCommunicator.
+
+    `comm` needs `broadcast(tensor, src, stream)` and `destroy()`; `device` is where buckets are
+    packed (the communicator's GPU). At most `num_buffers` packed buckets are alive at once.
+    """
+
+    def __init__(self, comm, plan: RefitPlan, device: torch.device | str | None = None):
+        self.comm = comm
+        self.plan = plan
+        self.device = torch.device(device) if device is not None else torch.device(
+            getattr(comm, "device", "cpu"))
+        self.join_seconds = 0.0
+
+    check_tensors = Sender.check_tensors  # the same refusal, before any byte moves
+
+    @classmethod
+    def connect(cls, master_address: str, master_port: int, world_size: int, plan: RefitPlan,
+                timeout_s: float, device: torch.device | int | None = None) -> NcclSender:
+        """Join vLLM's NCCL rendezvous as rank 0; returns once the communicator is formed."""
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError("vLLM's nccl backend needs CUDA in the trainer",
+                                       reason="BACKEND_UNAVAILABLE")
+        dev = _cuda_device(device)
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+                from vllm.utils.nccl import unpinned_nccl_env
+
+                torch.cuda.set_device(dev)
+                pg = open_rendezvous(master_address, master_port, world_size, timeout_s)
+                with unpinned_nccl_env():  # as vLLM's stateless_init_process_group does
+                    box["comm"] = PyNcclCommunicator(pg, device=dev)
+            except BaseException as e:  # noqa: BLE001  (re-raised typed on the caller's thread)
+                box["error"] = e
+
+        t0 = time.monotonic()
+        thread = threading.Thread(target=run, daemon=True, name="nccl-rendezvous")
+        thread.start()
+        thread.join(timeout_s)
+        where = f"{master_address}:{master_port}"
+        if thread.is_alive():
+            # ncclCommInitRank has no timeout of its own; the thread is left to the peers'
+            # failure (their shims abort on the same deadline) and dies with the process.
+            raise RefitTimeoutError(f"NCCL rendezvous at {where} did not complete within "
+                                    f"{timeout_s:.1f}s", reason="RENDEZVOUS_TIMEOUT")
+        if "error" in box:
+            e = box["error"]
+            text = str(e)
+            if "timeout" in text.lower() or "timed out" in text.lower():
+                raise RefitTimeoutError(f"NCCL rendezvous at {where}: {text[:300]}",
+                                        reason="RENDEZVOUS_TIMEOUT") from e
+            raise CollectiveError(f"NCCL rendezvous at {where} failed: {text[:300]}",
+                                  reason="RENDEZVOUS_FAILED") from e
+        comm = box["comm"]
+        if getattr(comm, "disabled", False):
+            raise CollectiveError("PyNcclCommunicator is disabled in this process (no NCCL "
+                                  "library, or VLLM_DISABLE_PYNCCL)", reason="BACKEND_UNAVAILABLE")
+        sender = cls(comm, plan, dev)
+        sender.join_seconds = time.monotonic() - t0
+        return sender
+
+    def send(self, tensors: Mapping[str, torch.Tensor], deadline: Deadline,
+             on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
+        self.check_tensors(tensors)
+        plan, device = self.plan, self.device
+        cuda = device.type == "cuda"
+        stream = torch.cuda.current_stream(device) if cuda else None
+        biggest = max(b.nbytes for b in plan.buckets)
+        n = min(plan.packing.num_buffers, len(plan.buckets))
+        slots = [torch.empty(biggest, dtype=torch.uint8, device=device) for _ in range(n)]
+        done: list[Any] = [None] * n  # CUDA event per slot: its last broadcast has completed
+        t0 = time.monotonic()
+        try:
+            for bucket in plan.buckets:
+                k = bucket.index % n
+                if done[k] is not None:
+                    self._wait(done[k], deadline, f"broadcast of bucket {bucket.index - n}")
+                specs = plan.tensors[bucket.start:bucket.stop]
+                deadline.check(f"broadcast of bucket {bucket.index}")
+                buf = pack_into(slots[k], [tensors[s.name].to(device) for s in specs])
+                self.comm.broadcast(buf, src=0, stream=stream)
+                if cuda:
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    done[k] = ev
+                if on_bucket:
+                    on_bucket(bucket)
+            for ev in done:
+                if ev is not None:
+                    self._wait(ev, deadline, "final broadcast")
+        except RefitError:
+            self.close()  # abort: peers blocked in the same collective fail instead of hanging
+            raise
+        return TransferStats(len(plan.buckets), plan.total_bytes, time.monotonic() - t0)
+
+    def _wait(self, event, deadline: Deadline, what: str) -> None:
+        while not event.query():
+            deadline.check(what)
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.destroy()  # ncclCommAbort on a daemon thread, joined for at most 5 s
+
+
+def _cuda_device(device: torch.device | int | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+@dataclass
+class NcclLink:
+    """What `Fleet.refit` broadcasts through for vLLM's nccl backend (the TrainerLink surface)."""
+
+    sender: NcclSender
+
+    @property
+    def plan(self) -> RefitPlan:
+        return self.sender.plan
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+def connect(fleet, ip: str, port: int, *, device: torch.device | int | None = None) -> NcclLink:
+    """Form the group for `Fleet(backend="nccl")`: every shim joins (InitCollective, which posts
+    /init_weight_transfer_engine with `worker_init_info`) and this process joins as rank 0."""
+    if fleet.backend != "nccl":
+        raise InvalidArgumentError(f"fleet backend is {fleet.backend!r}; use Fleet.connect for "
+                                   "gloo, or Fleet(backend='nccl')", reason="INVALID_BACKEND")
+    if fleet.plan is None:
+        raise RuntimeError("prepare() must be called before connect()")
+    world = 1 + fleet.inference_world_size
+    futures = fleet.init_collective(ip, port, world, train_world_size=1)
+    try:
+        sender = NcclSender.connect(ip, port, world, fleet.plan, fleet.join_timeout_s, device)
+    except RefitError as e:
+        fleet.abort("trainer failed to join")
+        raise FleetError(f"trainer rank 0 could not join: {e}", [], reason=e.reason) from e
+    failures = []
+    end = time.monotonic() + fleet.join_timeout_s
+    for f in futures:
+        try:
+            f.result(timeout=max(end - time.monotonic(), 0.001))
+        except FleetError as e:
+            failures += e.failures
+        except TimeoutError:
+            failures.append(None)
+    if failures:
+        sender.close()
+        fleet.abort("join failed")
+        named = [f for f in failures if f is not None]
+        raise FleetError("InitCollective failed", named,
+                         reason=named[0].reason if named else "JOIN_TIMEOUT")
+    return NcclLink(sender)
