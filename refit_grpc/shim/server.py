@@ -35,6 +35,8 @@ class ServerOptions:
     max_concurrent_rpcs: int = 64
     grace_s: float = 30.0
     health_poll_s: float = 1.0
+    # Larger messages get RESOURCE_EXHAUSTED from gRPC itself, before any handler runs.
+    max_message_bytes: int = MAX_MESSAGE_BYTES
 
 
 class ReferenceEngineServicer(ref_pb_grpc.ReferenceEngineServiceServicer):
@@ -67,8 +69,8 @@ class ShimServer:
                                        thread_name_prefix="shim-rpc"),
             interceptors=interceptors,
             maximum_concurrent_rpcs=self.options.max_concurrent_rpcs,
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            options=[("grpc.max_receive_message_length", self.options.max_message_bytes),
+                     ("grpc.max_send_message_length", self.options.max_message_bytes),
                      ("grpc.so_reuseport", 0)],
         )
         pb_grpc.add_RefitServiceServicer_to_server(self.servicer, self._server)

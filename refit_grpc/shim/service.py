@@ -228,7 +228,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             if request.version < 1:
                 raise InvalidArgumentError(f"version must be >= 1, got {request.version}",
                                            reason="INVALID_VERSION")
-            mode = PAUSE_MODE_FROM_PROTO.get(request.pause_mode, PauseMode.KEEP)
+            mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
             with self._lock:
                 self._refuse_state("UpdateWeights", [pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
                 if self._busy:
@@ -333,7 +333,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     def Flush(self, request, context):
         with _status_on_error(context):
             deadline = self._deadline(context, self.config.max_control_s)
-            mode = PAUSE_MODE_FROM_PROTO.get(request.mode, PauseMode.WAIT)
+            mode = _pause_mode(request.mode, PauseMode.WAIT)
             with self._lock:
                 state = self._state_locked()
                 if state == pb.SHIM_STATE_BROKEN:
@@ -440,6 +440,14 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         else:
             packing = Packing()
         return RefitPlan(tuple(specs), packing)
+
+
+def _pause_mode(value: int, default: PauseMode) -> PauseMode:
+    if value == pb.PAUSE_MODE_UNSPECIFIED:
+        return default
+    if value not in PAUSE_MODE_FROM_PROTO:
+        raise InvalidArgumentError(f"unknown pause mode {value}", reason="INVALID_PAUSE_MODE")
+    return PAUSE_MODE_FROM_PROTO[value]
 
 
 def _packing_pb(p: Packing):

@@ -16,12 +16,22 @@ The sender side is the project's own: `refit_grpc.collective.Sender` behind `Fle
 from __future__ import annotations
 
 import logging
+import re
 
 BACKEND = "gloo"
 ENGINE_MODULE = "refit_grpc.vllm_plugin.engine"
 ENGINE_CLASS = "RefitGlooWeightTransferEngine"
 
 log = logging.getLogger("vllm.refit_grpc")  # under "vllm" so vLLM's log handlers print it
+
+# A failed update's error starts with this marker: A of B buckets reached the model. The worker
+# raises it (engine.py); the shim reads it back out of vLLM's HTTP 500 body. With A == 0 the
+# rollback restored every layer, so the engine still holds the old weights.
+APPLIED_RE = re.compile(r"refit_grpc\[applied=(\d+)/(\d+)\]")
+
+
+def applied_marker(applied: int, total: int) -> str:
+    return f"refit_grpc[applied={applied}/{total}]"
 
 
 def register() -> None:

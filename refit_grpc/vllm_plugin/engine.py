@@ -26,7 +26,6 @@ model. With A == 0 the rollback restored every layer, so the weights are the old
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,13 +49,9 @@ from refit_grpc.plan import (
     dtype_from_name,
 )
 
+from refit_grpc.vllm_plugin import applied_marker
+
 log = logging.getLogger("vllm.refit_grpc")
-
-APPLIED_RE = re.compile(r"refit_grpc\[applied=(\d+)/(\d+)\]")
-
-
-def applied_marker(applied: int, total: int) -> str:
-    return f"refit_grpc[applied={applied}/{total}]"
 
 
 @dataclass(kw_only=True)
