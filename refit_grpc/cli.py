@@ -1,4 +1,4 @@
-"""`refit-grpc shim | demo | bench`: the command-line entry points."""
+"""`refit-grpc shim | call | demo | bench`: the command-line entry points."""
 
 from __future__ import annotations
 
@@ -83,6 +83,13 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(workers=args.workers, steps=args.steps, buffer_size_bytes=args.buffer_size_bytes)
 
 
+def _call(args: argparse.Namespace) -> int:
+    from refit_grpc.operator_call import call, security_from_args
+
+    return call(args.address, args.method, args.json, security=security_from_args(args),
+                timeout_s=args.timeout_s)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from refit_grpc.bench import run_bench
 
@@ -127,6 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--buffer-size-bytes", type=int, default=256 * 1024)
     demo.set_defaults(func=_demo)
+
+    rpc = sub.add_parser("call", help="call one RefitService method with a JSON body "
+                                      "(grpcurl's mapping; token from REFIT_GRPC_TOKEN)")
+    rpc.add_argument("address")
+    rpc.add_argument("method", help="Describe, Prepare, InitCollective, UpdateWeights, ...")
+    rpc.add_argument("json", nargs="?", default="{}")
+    rpc.add_argument("--timeout-s", type=float, default=30.0)
+    rpc.add_argument("--ca", help="CA certificate (PEM): use TLS")
+    rpc.add_argument("--cert", help="client certificate (PEM) for mTLS")
+    rpc.add_argument("--key", help="client key (PEM) for mTLS")
+    rpc.set_defaults(func=_call)
 
     bench = sub.add_parser("bench", help="refit_grpc epoch vs the raw collective, side by side")
     bench.add_argument("--workers", type=int, default=2)

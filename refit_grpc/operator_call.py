@@ -1,0 +1,53 @@
+"""`refit-grpc call`: drive a shim by hand with grpcurl's JSON mapping (protobuf JSON), for
+operators on hosts without grpcurl. Strict parsing: malformed JSON and unknown fields are refused
+client-side with a message naming the problem, before anything is sent."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import grpc
+from google.protobuf import json_format
+
+from refit_grpc.driver.endpoint import ChannelSecurity, WorkerEndpoint
+from refit_grpc.driver.fleet import failure_from_rpc
+from refit_grpc.proto import pb, pb_grpc
+
+SERVICE = pb.DESCRIPTOR.services_by_name["RefitService"]
+STREAMING = {m.name for m in SERVICE.methods if m.server_streaming}
+
+
+def call(address: str, method: str, body: str, *, security: ChannelSecurity,
+         timeout_s: float, out=sys.stdout, err=sys.stderr) -> int:
+    name = method.rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+    descriptor = SERVICE.methods_by_name.get(name)
+    if descriptor is None:
+        print(f"unknown method {method!r}; RefitService has: "
+              f"{', '.join(m.name for m in SERVICE.methods)}", file=err)
+        return 2
+    request = getattr(pb, descriptor.input_type.name)()
+    try:
+        json_format.Parse(body or "{}", request)
+    except json_format.ParseError as e:
+        print(f"invalid request JSON for {name}: {e}", file=err)
+        return 2
+    with security.open(address) as channel:
+        rpc = getattr(pb_grpc.RefitServiceStub(channel), name)
+        try:
+            replies = rpc(request, timeout=timeout_s, metadata=security.metadata())
+            for reply in (replies if name in STREAMING else [replies]):
+                print(json.dumps(json_format.MessageToDict(reply)), file=out, flush=True)
+        except grpc.RpcError as e:
+            f = failure_from_rpc(WorkerEndpoint("-", address), e)
+            print(f"ERROR {f.code.name} {f.reason}: {f.message}", file=err)
+            return 1
+    return 0
+
+
+def security_from_args(args) -> ChannelSecurity:
+    read = (lambda p: open(p, "rb").read() if p else None)  # noqa: E731
+    return ChannelSecurity(root_certificates=read(args.ca), private_key=read(args.key),
+                           certificate_chain=read(args.cert),
+                           token=os.environ.get("REFIT_GRPC_TOKEN") or None)
