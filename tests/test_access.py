@@ -11,10 +11,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import free_port
 from refit_grpc import ChannelSecurity, Fleet, Packing, WorkerEndpoint
 from refit_grpc.driver.fleet import failure_from_rpc
 from refit_grpc.proto import pb, pb_grpc
+
+from conftest import free_port
 
 TOKEN = "s3cret-token-for-tests"
 

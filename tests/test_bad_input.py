@@ -7,11 +7,9 @@ import string
 
 import grpc
 import pytest
-from conftest import InProcessShim
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_state_machine import join, prepare_request, tensors_v
 
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.fleet import failure_from_rpc
@@ -20,6 +18,9 @@ from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.server import ServerOptions, ShimServer
 from refit_grpc.shim.service import ShimConfig
+
+from conftest import InProcessShim
+from test_state_machine import join, prepare_request, tensors_v
 
 EXAMPLES = 200
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,

@@ -12,13 +12,14 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refit_grpc import EpochFailedError, Fleet, FleetError, Packing, RefitError, WorkerEndpoint
 from refit_grpc.collective import Deadline
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb, pb_grpc
+
+from conftest import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-from conftest import free_port
 
 from refit_grpc import (
     EpochRefusedError,
@@ -17,6 +16,8 @@ from refit_grpc import (
 )
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
+
+from conftest import free_port
 
 BUFFER = 8 * 1024
 

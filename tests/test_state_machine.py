@@ -8,7 +8,6 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import free_port, join_trainer
 
 from refit_grpc.collective import Deadline, Sender
 from refit_grpc.driver.endpoint import WorkerEndpoint
@@ -17,6 +16,8 @@ from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import DTYPE_TO_PROTO, pb, ref_pb, ref_pb_grpc
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.service import ShimConfig
+
+from conftest import free_port, join_trainer
 
 S = pb.ShimState
 

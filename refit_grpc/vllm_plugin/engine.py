@@ -48,7 +48,6 @@ from refit_grpc.plan import (
     TensorSpec,
     dtype_from_name,
 )
-
 from refit_grpc.vllm_plugin import applied_marker
 
 log = logging.getLogger("vllm.refit_grpc")
