@@ -340,7 +340,7 @@ class Fleet:
         must agree; a silent mismatch would make receivers mis-split bytes)."""
         if self._packing is None:
             offers = {(d.packing.buffer_size_bytes, d.packing.num_buffers)
-                      for d in self.describe()}
+                      for d in self.describe(weights_digest=False)}
             if len(offers) != 1:
                 raise FleetError(f"shims offer different packings {sorted(offers)}; "
                                  "pass packing= to Fleet", [])
@@ -382,7 +382,8 @@ class Fleet:
             raise ValueError(f"world_size {world_size} != train_world_size {train_world_size} + "
                              f"inference_world_size {self.inference_world_size}")
         self._check_membership(describe=False)
-        self._joined_instances = tuple(d.instance_id for d in self.describe())
+        self._joined_instances = tuple(
+            d.instance_id for d in self.describe(weights_digest=False))
         group_id = f"refit-{uuid.uuid4().hex[:12]}"
         futures = []
         for i, w in enumerate(self._workers):
@@ -496,8 +497,9 @@ class Fleet:
         self._unary_all("Flush", lambda w: request, "flush failed")
         return True
 
-    def describe(self) -> list[pb.DescribeResponse]:
-        return self._unary_all("Describe", lambda w: pb.DescribeRequest(), "describe failed")
+    def describe(self, weights_digest: bool = True) -> list[pb.DescribeResponse]:
+        request = pb.DescribeRequest(skip_weights_digest=not weights_digest)
+        return self._unary_all("Describe", lambda w: request, "describe failed")
 
     def abort(self, reason: str = "aborted by driver") -> list[pb.AbortResponse | None]:
         """Abort on every shim in parallel; best effort, never raises, never retries, and bounded
@@ -585,7 +587,7 @@ class Fleet:
                     "membership changed after collective setup: "
                     + "; ".join(str(f) for f in changed or [current]))
         if describe and self._joined_instances is not None:
-            now = tuple(d.instance_id for d in self.describe())
+            now = tuple(d.instance_id for d in self.describe(weights_digest=False))
             moved = [f"{e.instance_id}@{e.address} (was shim {a}, now {b})"
                      for e, a, b in zip(self.endpoints, self._joined_instances, now) if a != b]
             if moved:

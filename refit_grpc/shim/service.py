@@ -133,7 +133,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     # --- RPCs ------------------------------------------------------------------------------
 
     def Describe(self, request, context):
-        status = self.engine.status(with_digest=True)
+        status = self.engine.status(with_digest=not request.skip_weights_digest)
         with self._lock:
             return pb.DescribeResponse(
                 instance_id=self.config.instance_id,
