@@ -94,7 +94,9 @@ def test_one_refusal_aborts_the_epoch_before_any_byte(shim_procs):
         with pytest.raises(EpochRefusedError) as e:
             fleet.refit(link, t2, version=2)
         elapsed = time.monotonic() - t0
-        assert elapsed < 3.0, elapsed
+        # Typically 0.1-0.5 s on a quiet machine; the bound leaves room for a loaded CI host.
+        assert elapsed < 5.0, elapsed
+        print(f"\nREFUSAL: EpochRefusedError after {elapsed:.2f}s")
         assert e.value.workers == ["w0"] and e.value.reasons == {"STALE_VERSION"}
         assert "STALE_VERSION" in str(e.value) and "w0" in str(e.value)
         described = fleet.describe()
