@@ -50,7 +50,7 @@ class ReferenceEngineServicer(ref_pb_grpc.ReferenceEngineServiceServicer):
             deadline = Deadline(60.0 if remaining is None else min(remaining, 600.0))
             tokens, hit = self.engine.generate(list(request.prompt), request.max_new_tokens,
                                                deadline)
-            return ref_pb.GenerateResponse(tokens=tokens, weight_version=self.refit._version,
+            return ref_pb.GenerateResponse(tokens=tokens, weight_version=self.refit.weight_version,
                                            prefix_cache_hit=hit)
 
 

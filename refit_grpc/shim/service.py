@@ -27,7 +27,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf import any_pb2  # noqa: F401  (registers Any for status details)
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -129,6 +128,10 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             raise FailedPreconditionError(
                 f"{what} refused in state {pb.ShimState.Name(state)} (allowed: {names})",
                 reason="WRONG_STATE")
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
 
     # --- RPCs ------------------------------------------------------------------------------
 
@@ -481,4 +484,4 @@ class _status_on_error:
         return False
 
 
-__all__ = ["RefitServicer", "ShimConfig", "EpochAbortedError", "status_for"]
+__all__ = ["RefitServicer", "ShimConfig", "status_for"]
