@@ -22,9 +22,10 @@ from refit_grpc.shim.process import ShimProcess, spawn_shim
 PROMPT = [5, 17, 42, 9]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port() -> int:
+    """A port free on every address: the TCPStore master listens on all of them."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

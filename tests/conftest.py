@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import grpc
@@ -17,9 +16,9 @@ from refit_grpc.shim.service import ShimConfig
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from refit_grpc.demo import free_port as _free_port
+
+    return _free_port()
 
 
 class InProcessShim:

@@ -98,11 +98,15 @@ class _Worker:
         self.metadata = security.metadata()
 
 
+# (instance_id, bucket_index, bucket_count), called on the stream's thread after each bucket.
+ProgressCallback = Callable[[str, int, int], None]
+
+
 class EpochHandle:
     """One UpdateWeights stream per worker, consumed on background threads."""
 
     def __init__(self, fleet: Fleet, version: int, request: pb.UpdateWeightsRequest,
-                 timeout_s: float):
+                 timeout_s: float, on_progress: ProgressCallback | None = None):
         self.version = version
         self._fleet = fleet
         self._t0 = time.monotonic()
@@ -117,6 +121,12 @@ class EpochHandle:
         self._calls = [None] * n
         self._aborted = False
         self._unresponsive: set[int] = set()
+        self._on_progress = on_progress
+        # Buckets each worker reported applied (PROGRESS) so far in this epoch.
+        self.buckets_applied = [0] * n
+        # Set by the first worker failure: the sender watches it, so a lost peer stops the
+        # broadcast in seconds rather than at the epoch deadline.
+        self.failed = threading.Event()
         for i, w in enumerate(fleet._workers):
             call = w.stub.UpdateWeights(request, timeout=timeout_s, metadata=w.metadata)
             self._calls[i] = call
@@ -129,9 +139,13 @@ class EpochHandle:
                 with self._changed:
                     if msg.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:
                         self._accepted[i] = True
+                    elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
+                        self.buckets_applied[i] = msg.bucket_index + 1
                     elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_COMMITTED:
                         self._committed[i] = msg
                     self._changed.notify_all()
+                if self._on_progress and msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
+                    self._on_progress(w.endpoint.instance_id, msg.bucket_index, msg.bucket_count)
             if self._committed[i] is None:
                 raise RuntimeError("stream ended without COMMITTED")
         except grpc.RpcError as e:
@@ -144,6 +158,8 @@ class EpochHandle:
                                                   grpc.StatusCode.UNKNOWN, "DRIVER_ERROR", str(e))
         finally:
             with self._changed:
+                if self._failures[i] is not None:
+                    self.failed.set()
                 self._done[i].set()
                 self._changed.notify_all()
 
@@ -432,7 +448,8 @@ class Fleet:
         return TrainerLink(group, self._plan)
 
     def update_weights(self, version: int | None = None,
-                       pause_mode: PauseMode = PauseMode.KEEP) -> EpochHandle:
+                       pause_mode: PauseMode = PauseMode.KEEP,
+                       on_progress: ProgressCallback | None = None) -> EpochHandle:
         """Open an epoch on every shim; returns the handle the trainer waits on while it
         broadcasts. Version defaults to the last one + 1."""
         if self._plan is None:
@@ -444,23 +461,25 @@ class Fleet:
         request = pb.UpdateWeightsRequest(version=version, plan_digest=self._plan.digest,
                                           group_id=self._group_id,
                                           pause_mode=PAUSE_MODE_TO_PROTO[pause_mode])
-        return EpochHandle(self, version, request, self.epoch_timeout_s)
+        return EpochHandle(self, version, request, self.epoch_timeout_s, on_progress)
 
     def refit(self, link: TrainerLink, tensors: Mapping[str, torch.Tensor],
               version: int | None = None, *, flush: bool = True,
-              pause_mode: PauseMode = PauseMode.KEEP) -> EpochReport:
+              pause_mode: PauseMode = PauseMode.KEEP,
+              on_progress: ProgressCallback | None = None) -> EpochReport:
         """One whole epoch: UpdateWeights everywhere, wait for every ACCEPTED, broadcast, wait for
         every COMMITTED, then (by default) flush so engines serve the new weights."""
         link.sender.check_tensors(tensors)  # refuse bad input before any shim pauses
         t0 = time.monotonic()
-        handle = self.update_weights(version, pause_mode)
+        handle = self.update_weights(version, pause_mode, on_progress)
         try:
             handle.wait_accepted()
         except FleetError:
             link.close()  # the shims tore their ends down; this group is finished
             self._group_id = None
             raise
-        deadline = Deadline(max(handle._deadline_at - time.monotonic(), 0.001))
+        deadline = Deadline(max(handle._deadline_at - time.monotonic(), 0.001),
+                            cancel=handle.failed)
         try:
             stats = link.sender.send(tensors, deadline)
         except RefitError as e:

@@ -71,7 +71,11 @@ class ShimServer:
             maximum_concurrent_rpcs=self.options.max_concurrent_rpcs,
             options=[("grpc.max_receive_message_length", self.options.max_message_bytes),
                      ("grpc.max_send_message_length", self.options.max_message_bytes),
-                     ("grpc.so_reuseport", 0)],
+                     ("grpc.so_reuseport", 0),
+                     # Accept the driver's 1 s keepalive pings (see driver/endpoint.py).
+                     ("grpc.keepalive_permit_without_calls", 1),
+                     ("grpc.http2.min_ping_interval_without_data_ms", 500),
+                     ("grpc.http2.max_ping_strikes", 0)],
         )
         pb_grpc.add_RefitServiceServicer_to_server(self.servicer, self._server)
         services = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
