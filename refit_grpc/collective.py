@@ -66,9 +66,6 @@ class GroupSpec:
         if self.backend not in BACKENDS:
             raise InvalidArgumentError(f"backend {self.backend!r} not in {BACKENDS}",
                                        reason="INVALID_BACKEND")
-        if self.backend == "nccl" and not torch.cuda.is_available():
-            raise InvalidArgumentError("backend nccl needs CUDA, which this process lacks",
-                                       reason="BACKEND_UNAVAILABLE")
         if not self.group_id:
             raise InvalidArgumentError("group_id is empty", reason="INVALID_GROUP_ID")
 
@@ -99,6 +96,10 @@ class Group:
         self.spec = spec
         self._store = store
         self._pg: dist.ProcessGroup | None = pg
+        # Held while a collective is enqueued and while close() takes the group away. Gloo's
+        # destructor waits for every pending op; without the lock a thread mid-enqueue could end
+        # up holding the last reference and block in that destructor until the op times out.
+        self._pg_lock = threading.Lock()
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if spec.backend == "nccl" else torch.device("cpu")
 
@@ -106,6 +107,11 @@ class Group:
     def join(cls, spec: GroupSpec, timeout_s: float) -> Group:
         """Rendezvous; blocks until every rank has joined or `timeout_s` passes."""
         spec.validate()
+        # Checked here, not in validate(): a shim may pass an nccl spec on to an engine whose
+        # workers (elsewhere, with GPUs) do the joining.
+        if spec.backend == "nccl" and not torch.cuda.is_available():
+            raise InvalidArgumentError("backend nccl needs CUDA, which this process lacks",
+                                       reason="BACKEND_UNAVAILABLE")
         timeout = datetime.timedelta(seconds=max(timeout_s, 0.001))
         try:
             store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size,
@@ -138,13 +144,15 @@ class Group:
         return self._pg is None
 
     def broadcast_async(self, tensor: torch.Tensor, deadline: Deadline) -> _PendingOp:
-        pg = self._pg
-        if pg is None:
-            raise CollectiveError("group is closed", reason="GROUP_CLOSED")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = datetime.timedelta(seconds=max(deadline.check("broadcast"), 0.001))
-        return _PendingOp(pg.broadcast([tensor], opts))
+        with self._pg_lock:
+            if self._pg is None:
+                raise CollectiveError("group is closed", reason="GROUP_CLOSED")
+            # No local name for the group: only the reaper may ever drop its last reference.
+            work = self._pg.broadcast([tensor], opts)
+        return _PendingOp(work)
 
     def close(self) -> None:
         """Tear the group down; pending operations on every peer fail promptly.
@@ -152,11 +160,12 @@ class Group:
         Never blocks: destroying a gloo group joins its worker threads, which wait for any
         pending operation to time out, so the last reference is dropped on a reaper thread.
         """
-        if self._pg is None:
-            return
-        # No local may keep a reference: the caller's frame would then run the destructor.
-        refs = [self._pg, self._store]
-        self._pg = self._store = None
+        with self._pg_lock:
+            if self._pg is None:
+                return
+            # No local may keep a reference: the caller's frame would then run the destructor.
+            refs = [self._pg, self._store]
+            self._pg = self._store = None
         if self.spec.backend == "nccl":
             try:
                 refs[0].abort()

@@ -188,7 +188,10 @@ def test_join_times_out_when_the_trainer_never_comes(shim):
             backend=pb.BACKEND_GLOO, group_id="g", plan_digest=digest), timeout=2))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - t0 < 6
-    time.sleep(0.5)
+    # The shim sees the cancellation a moment after the caller gives up.
+    end = time.monotonic() + 5
+    while sh.describe().state != S.SHIM_STATE_PREPARED and time.monotonic() < end:
+        time.sleep(0.02)
     assert sh.describe().state == S.SHIM_STATE_PREPARED
 
 
@@ -246,7 +249,10 @@ def test_failure_mid_epoch_breaks_and_flush_refuses_until_a_full_update(shim):
     buf = torch.empty(first.nbytes, dtype=torch.uint8)
     pack_into(buf, [t2[s.name] for s in plan.tensors[first.start:first.stop]])
     group.broadcast_async(buf, Deadline(10)).wait(Deadline(10), "first bucket")
-    time.sleep(0.2)
+    end = time.monotonic() + 10  # until the shim reports the bucket applied (PROGRESS)
+    while not any(m.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS for m in ep.messages):
+        assert time.monotonic() < end
+        time.sleep(0.01)
     group.close()
     ep.join()
     assert reason_of(ep.error)[0] == grpc.StatusCode.ABORTED
@@ -324,6 +330,14 @@ def _generate(sh, prompt, n, out, key):
         out[key] = e
 
 
+def _wait_in_flight(sh, n: int = 1) -> None:
+    """Until the engine has admitted `n` Generate calls: a fixed sleep races a loaded host."""
+    end = time.monotonic() + 10
+    while sh.engine.requests_in_flight < n:
+        assert time.monotonic() < end, "the Generate call never reached the engine"
+        time.sleep(0.005)
+
+
 def test_flush_waits_for_inflight_requests_and_clears_the_prefix_cache(shim):
     sh = shim()
     out: dict = {}
@@ -332,7 +346,7 @@ def test_flush_waits_for_inflight_requests_and_clears_the_prefix_cache(shim):
     assert out["cached"].prefix_cache_hit
     slow = threading.Thread(target=_generate, args=(sh, [4, 5], 48, out, "inflight"))
     slow.start()
-    time.sleep(0.05)
+    _wait_in_flight(sh)
     flushed = sh.stub.Flush(pb.FlushRequest(mode=pb.PAUSE_MODE_WAIT), timeout=30)
     slow.join(30)
     assert flushed.cache_cleared and flushed.resumed
@@ -345,9 +359,10 @@ def test_flush_waits_for_inflight_requests_and_clears_the_prefix_cache(shim):
 def test_flush_with_abort_mode_fails_inflight_requests(shim):
     sh = shim()
     out: dict = {}
-    slow = threading.Thread(target=_generate, args=(sh, [4, 5], 60, out, "inflight"))
+    # Long enough that it cannot finish before the Flush lands (it is aborted at its next step).
+    slow = threading.Thread(target=_generate, args=(sh, [4, 5], 100_000, out, "inflight"))
     slow.start()
-    time.sleep(0.1)
+    _wait_in_flight(sh)
     sh.stub.Flush(pb.FlushRequest(mode=pb.PAUSE_MODE_ABORT), timeout=30)
     slow.join(30)
     assert isinstance(out["inflight"], grpc.RpcError)

@@ -52,6 +52,10 @@ class _PauseGate:
             self._requests += 1
             return self._abort_generation
 
+    @property
+    def requests(self) -> int:
+        return self._requests
+
     def leave(self) -> None:
         with self._cond:
             self._requests -= 1
@@ -126,6 +130,11 @@ class ReferenceEngine(Engine):
                 digest = weights_digest((n, self._weights[n]) for n in names) if names else ""
                 self._digest = digest
         return EngineStatus(healthy=True, paused=self._gate.paused, weights_digest=digest)
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Generate calls admitted and not yet finished (parked ones included)."""
+        return self._gate.requests
 
     def _plan_order(self) -> list[str]:
         """The digest covers the plan's tensors in plan order (what the trainer can recompute)."""
