@@ -186,6 +186,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             spec = GroupSpec(request.master_address, request.master_port, request.world_size,
                              request.rank_offset, backend, request.group_id)
             spec.validate()
+            self.engine.check_backend(backend)
             if request.rank_offset < 1:
                 raise InvalidArgumentError("rank_offset must be >= 1: rank 0 is the trainer",
                                            reason="INVALID_RANK")
@@ -312,6 +313,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 with self._lock:
                     self._epoch = None
                     self._busy = None
+                if not committed:
+                    log.warning("epoch %d failed after %d bytes; state now %s", epoch.version,
+                                epoch.bytes_applied, pb.ShimState.Name(self.state()))
 
     def _receive(self, plan: RefitPlan, epoch: _Epoch, events: queue.Queue) -> None:
         def on_bucket(bucket) -> None:
@@ -392,8 +396,6 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 self.engine.resume(Deadline(self.config.max_control_s))
             except RefitError as e:
                 log.warning("resume after refused epoch failed: %s", e)
-        log.warning("epoch %d failed after %d bytes; state %s", epoch.version,
-                    epoch.bytes_applied, pb.ShimState.Name(self.state()))
 
     def _record_error(self, err: RefitError) -> None:
         with self._lock:

@@ -25,13 +25,16 @@ model. With A == 0 the rollback restored every layer, so the weights are the old
 
 from __future__ import annotations
 
+import datetime
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -92,6 +95,10 @@ class RefitGlooUpdateInfo(WeightTransferUpdateInfo):
     shapes: list[list[int]]
     timeout_s: float | None = None  # this update's deadline (the shim passes its epoch's)
     plan_digest: str | None = None  # if set, the plan rebuilt here must have exactly this digest
+    # A key in the trainer's TCPStore: once someone sets it, this receive gives up at once. The
+    # shim sets it on Abort (vLLM runs worker RPCs one at a time, so /shutdown_weight_transfer_
+    # engine cannot reach a worker blocked in this receive).
+    abort_key: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -127,6 +134,7 @@ class RefitGlooWeightTransferEngine(
         self.last_stats: dict[str, Any] = {}
         self._applied = 0  # buckets handed to load_weights in the current update
         self._total = 0
+        self._abort_store: dist.Store | None = None
 
     # --- group -----------------------------------------------------------------------------
 
@@ -151,6 +159,7 @@ class RefitGlooWeightTransferEngine(
 
     def shutdown(self) -> None:
         group, self.group, self.info = self.group, None, None
+        self._abort_store = None
         if group is not None:
             group.close()  # never blocks; peers' pending operations fail at once
 
@@ -169,6 +178,9 @@ class RefitGlooWeightTransferEngine(
             self.receive_weights(self.parse_update_info(update_info))
         except Exception as e:
             restored = self._rollback_layerwise_reload()
+            # The group is unusable (a peer left, or a receive is still posted): drop it now; the
+            # shim re-forms one (shutdown + init) before the next update.
+            self.shutdown()
             raise RuntimeError(
                 f"{applied_marker(self._applied, self._total)} receive failed "
                 f"({type(e).__name__}: {e}); rolled back ({restored} partly loaded layers "
@@ -199,11 +211,29 @@ class RefitGlooWeightTransferEngine(
             with torch.no_grad():
                 self.model.load_weights([(spec.name, _owned(spec, raw)) for spec, raw in tensors])
 
-        with disable_mtp_completeness_check():
-            stats = receive(group, plan, deadline, apply)
+        watcher = (_AbortWatcher(self._store(info), update_info.abort_key, deadline.cancel)
+                   if update_info.abort_key else None)
+        try:
+            with disable_mtp_completeness_check():
+                stats = receive(group, plan, deadline, apply)
+        finally:
+            if watcher is not None:
+                watcher.stop()
         self.last_stats.update(seconds=stats.seconds, rank=self.rank)
         log.info("refit_grpc gloo: received %d buckets, %d bytes in %.3fs", stats.buckets,
                  stats.bytes, stats.seconds)
+
+    def _store(self, info: RefitGlooInitInfo) -> dist.Store | None:
+        """A client of the trainer's TCPStore, for abort keys (the group's own stays private)."""
+        if self._abort_store is None:
+            try:
+                self._abort_store = dist.TCPStore(
+                    info.master_address, info.master_port, is_master=False,
+                    wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+            except (RuntimeError, dist.DistError) as e:
+                log.warning("refit_grpc gloo: no abort channel (%s); an abort then waits for "
+                            "the trainer to leave or for the update's timeout", e)
+        return self._abort_store
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -240,3 +270,30 @@ def _owned(spec: TensorSpec, raw: torch.Tensor) -> torch.Tensor:
     the layer completes, and the bucket buffer is reused for a later bucket."""
     return raw.clone().view(spec.dtype).view(spec.shape)
 
+
+class _AbortWatcher:
+    """Polls the trainer's TCPStore for an abort key and sets the receive's cancel flag; the
+    receive's waits notice it within 50 ms (`collective._CANCEL_POLL_S`)."""
+
+    POLL_S = 0.1
+
+    def __init__(self, store: dist.Store | None, key: str, cancel: threading.Event):
+        self._stop = threading.Event()
+        self._thread = None
+        if store is not None:
+            self._thread = threading.Thread(target=self._run, args=(store, key, cancel),
+                                            daemon=True, name="refit-abort-watch")
+            self._thread.start()
+
+    def _run(self, store: dist.Store, key: str, cancel: threading.Event) -> None:
+        while not self._stop.wait(self.POLL_S):
+            try:
+                if store.check([key]):
+                    log.warning("refit_grpc gloo: abort requested (%s)", key)
+                    cancel.set()
+                    return
+            except (RuntimeError, dist.DistError):
+                return  # the trainer's store is gone: so is the sender, the receive fails anyway
+
+    def stop(self) -> None:
+        self._stop.set()

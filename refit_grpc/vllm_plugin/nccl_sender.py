@@ -74,6 +74,22 @@ def worker_update_info(plan: RefitPlan) -> dict[str, Any]:
             "shapes": [list(s.shape) for s in plan.tensors]}
 
 
+def misaligned(plan: RefitPlan) -> str | None:
+    """The first tensor vLLM's NCCL consumer could not unpack, or None. Its `unpack_tensor`
+    views each tensor in place in the bucket, which needs every tensor to start at a multiple of
+    its element size (an odd-sized int8 tensor before a float32 one breaks that); the project's
+    own receiver copies such tensors instead, so only this backend needs the check."""
+    for bucket in plan.buckets:
+        offset = 0
+        for spec in plan.tensors[bucket.start:bucket.stop]:
+            if offset % spec.dtype.itemsize:
+                return (f"tensor {spec.name!r} ({dtype_name(spec.dtype)}) would start at byte "
+                        f"{offset} of bucket {bucket.index}, not a multiple of "
+                        f"{spec.dtype.itemsize}")
+            offset += spec.nbytes
+    return None
+
+
 def worker_ranks(rank_offset: int, tp_pp_size: int, dp_size: int = 1) -> list[int]:
     """The ranks one vLLM engine's workers take: `dp_index * (tp * pp) + rank + rank_offset`
     (vLLM's `worker_init_process_group`)."""

@@ -32,7 +32,14 @@ def _reference(**options: Any) -> Engine:
     return ReferenceEngine(**options)
 
 
+def _vllm(**options: Any) -> Engine:
+    from refit_grpc.shim.engines.vllm import VLLMEngine
+
+    return VLLMEngine(**options)
+
+
 register_engine("reference", _reference)
+register_engine("vllm", _vllm)
 
 __all__ = ["Engine", "EngineStatus", "PauseMode", "create_engine", "engine_names",
            "register_engine"]

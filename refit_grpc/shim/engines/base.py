@@ -11,7 +11,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from refit_grpc.collective import Deadline, GroupSpec
+from refit_grpc.errors import InvalidArgumentError
 from refit_grpc.plan import Bucket, Packing, RefitPlan
 
 
@@ -52,6 +55,15 @@ class Engine(ABC):
 
     @abstractmethod
     def reset_cache(self, deadline: Deadline) -> bool: ...
+
+    def check_backend(self, backend: str) -> None:
+        """Refuse a backend this engine cannot join, before InitCollective says ACCEPTED.
+
+        The default is for engines that join in the shim's own process; an engine whose
+        workers join elsewhere (vLLM) lets those workers decide."""
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise InvalidArgumentError("backend nccl needs CUDA, which this engine's process "
+                                       "lacks", reason="BACKEND_UNAVAILABLE")
 
     @abstractmethod
     def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:

@@ -1,0 +1,274 @@
+"""The vLLM engine adapter's HTTP edge, without vLLM: an engine that is gone, one that accepts and
+never answers, and scripted answers for the error mapping. Nothing here may hang: every case has
+a bound it must beat. (What vLLM itself does is proven against a real server in
+test_vllm_engine.py; these run everywhere, vLLM installed or not.)"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from refit_grpc.collective import Deadline, GroupSpec
+from refit_grpc.errors import (
+    CollectiveError,
+    EngineUnavailableError,
+    EpochAbortedError,
+    FailedPreconditionError,
+    InvalidPlanError,
+    RefitTimeoutError,
+)
+from refit_grpc.plan import Packing, RefitPlan, TensorSpec
+from refit_grpc.proto import pb, pb_grpc
+from refit_grpc.shim.engines import create_engine
+from refit_grpc.shim.engines.base import PauseMode
+from refit_grpc.shim.engines.vllm import VLLMEngine
+from refit_grpc.shim.process import spawn_shim
+from refit_grpc.vllm_plugin import applied_marker
+
+PLAN = RefitPlan((TensorSpec("model.norm.weight", (8,), torch.float32),),
+                 Packing(16, 2))
+SPEC = GroupSpec("127.0.0.1", 29999, 2, 1, "gloo", "refit-test")
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def silent_server():
+    """Accepts connections and reads requests, never answers (a frozen engine)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    conns: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+                conns.append(conn)
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    t.join(2)
+    for c in conns:
+        c.close()
+    listener.close()
+
+
+class Scripted:
+    """A stand-in for vLLM's routes: answers (status, body) per path, records every request."""
+
+    def __init__(self):
+        self.answers: dict[str, list[tuple[int, object]]] = {}
+        self.requests: list[tuple[str, object]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n)) if n else None
+                path = self.path.split("?")[0]
+                outer.requests.append((self.path, body))
+                queue = outer.answers.get(path) or [(200, {})]
+                status, reply = queue.pop(0) if len(queue) > 1 else queue[0]
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def paths(self) -> list[str]:
+        return [p.split("?")[0] for p, _ in self.requests]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def scripted():
+    s = Scripted()
+    yield s
+    s.close()
+
+
+def test_engine_url_must_be_loopback_unless_allowed():
+    with pytest.raises(ValueError, match="loopback"):
+        VLLMEngine("http://10.1.2.3:8000")
+    VLLMEngine("http://10.1.2.3:8000", allow_remote_engine="true")
+    assert create_engine("vllm", url="http://localhost:8000").kind == "vllm"
+
+
+def test_a_dead_engine_is_unhealthy_and_unavailable_at_once():
+    engine = VLLMEngine(f"http://127.0.0.1:{closed_port()}")
+    t0 = time.monotonic()
+    status = engine.status()
+    assert not status.healthy
+    with pytest.raises(EngineUnavailableError) as e:
+        engine.pause(PauseMode.KEEP, Deadline(10))
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_a_frozen_engine_never_hangs_a_call(silent_server):
+    engine = VLLMEngine(silent_server, request_timeout_s=1.0, status_timeout_s=0.5,
+                        abort_grace_s=0.2)
+    t0 = time.monotonic()
+    assert not engine.status().healthy
+    assert time.monotonic() - t0 < 1.5
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnavailableError, match="did not answer"):
+        engine.resume(Deadline(30))  # the cap, not the caller's 30 s: the engine is not answering
+    assert 0.9 < time.monotonic() - t0 < 3.0
+    t0 = time.monotonic()
+    with pytest.raises(RefitTimeoutError):
+        engine.reset_cache(Deadline(0.6))  # the caller's deadline comes first: DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_abort_cuts_a_blocked_join_short(silent_server):
+    engine = VLLMEngine(silent_server, request_timeout_s=5.0, abort_grace_s=0.2)
+    # Only the join itself is under test: skip the shutdown that precedes it.
+    engine._shutdown_transfer = lambda deadline, end_stale_update: None
+    errors: list[BaseException] = []
+    deadline = Deadline(30)
+
+    def join() -> None:
+        try:
+            engine.init_transfer(SPEC, PLAN, deadline)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=join)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    deadline.cancel.set()  # what the service's Abort does
+    t.join(5)
+    assert not t.is_alive() and time.monotonic() - t0 < 1.5
+    assert isinstance(errors[0], EpochAbortedError)
+
+
+def test_error_mapping_and_what_is_posted(scripted):
+    engine = VLLMEngine(scripted.url, abort_grace_s=0.2)
+    scripted.answers["/pause"] = [(404, {"detail": "Not Found"})]
+    with pytest.raises(FailedPreconditionError) as e:
+        engine.pause(PauseMode.WAIT, Deadline(5))
+    assert e.value.reason == "ENGINE_ROUTE_MISSING"
+    assert scripted.requests[-1][0] == "/pause?mode=wait&clear_cache=true"
+
+    scripted.answers["/init_weight_transfer_engine"] = [
+        (500, {"error": {"message": "Worker failed with error 'Timed out waiting 5000ms'"}})]
+    with pytest.raises(RefitTimeoutError) as e:
+        engine.init_transfer(SPEC, PLAN, Deadline(10))
+    assert e.value.reason == "RENDEZVOUS_TIMEOUT"
+    path, body = scripted.requests[-1]
+    assert path == "/init_weight_transfer_engine"
+    info = body["init_info"]
+    assert (info["rank_offset"], info["world_size"], info["group_id"]) == (1, 2, "refit-test")
+    assert (info["packed_buffer_size_bytes"], info["packed_num_buffers"]) == (16, 2)
+    assert 0 < info["timeout_s"] < 10
+    assert scripted.paths()[-2] == "/shutdown_weight_transfer_engine"
+
+
+def test_a_receive_that_failed_with_nothing_applied_leaves_the_weights_intact(scripted):
+    engine = VLLMEngine(scripted.url)
+    scripted.answers["/update_weights"] = [
+        (500, {"error": {"message": f"{applied_marker(0, 1)} receive failed (peer closed)"}}),
+        (500, {"error": {"message": f"{applied_marker(1, 3)} receive failed (peer closed)"}}),
+        (200, {"message": "Weights updated"})]
+    with pytest.raises(CollectiveError):
+        engine.receive(PLAN, Deadline(5), lambda b: None)
+    assert not engine.partial_on_failure  # rolled back with nothing loaded
+    with pytest.raises(CollectiveError):
+        engine.receive(PLAN, Deadline(5), lambda b: None)
+    assert engine.partial_on_failure  # a bucket reached the model: BROKEN
+    buckets = []
+    engine.receive(PLAN, Deadline(5), buckets.append)
+    assert buckets == list(PLAN.buckets)
+    engine.finish(7, Deadline(5))
+    assert scripted.requests[-1] == ("/finish_weight_update", {"weight_version": "7"})
+    update = next(b for p, b in scripted.requests if p == "/update_weights")["update_info"]
+    assert update["plan_digest"] == PLAN.digest and update["names"] == ["model.norm.weight"]
+
+
+def test_a_stale_weight_update_session_is_ended_before_a_new_one(scripted):
+    engine = VLLMEngine(scripted.url)
+    scripted.answers["/start_weight_update"] = [
+        (500, {"error": {"message": "start_weight_update called while a weight update is "
+                                    "already active. Call finish_weight_update first."}}),
+        (200, {})]
+    engine.receive(PLAN, Deadline(5), lambda b: None)
+    assert scripted.paths()[:4] == ["/start_weight_update", "/finish_weight_update",
+                                    "/start_weight_update", "/update_weights"]
+
+
+def test_nccl_refuses_a_plan_vllms_nccl_receiver_cannot_unpack():
+    engine = VLLMEngine(f"http://127.0.0.1:{closed_port()}")
+    plan = RefitPlan((TensorSpec("a", (3,), torch.int8), TensorSpec("b", (2,), torch.float32)),
+                     Packing(1 << 20, 2))
+    nccl = GroupSpec("127.0.0.1", 29999, 2, 1, "nccl", "g")
+    with pytest.raises(InvalidPlanError) as e:  # before any call to the (dead) engine
+        engine.init_transfer(nccl, plan, Deadline(5))
+    assert e.value.reason == "UNALIGNED_FOR_NCCL" and "'b'" in e.value.message
+
+
+def test_check_plan_uses_the_checkpoint_names(tmp_path):
+    header = {"model.norm.weight": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}
+    raw = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(32))
+    engine = VLLMEngine("http://127.0.0.1:1", checkpoint_dir=str(tmp_path))
+    engine.check_plan(PLAN)
+    with pytest.raises(InvalidPlanError) as e:
+        engine.check_plan(RefitPlan((TensorSpec("model.nope", (8,), torch.float32),)))
+    assert e.value.reason == "UNKNOWN_TENSOR"
+    with pytest.raises(InvalidPlanError) as e:
+        engine.check_plan(RefitPlan((TensorSpec("model.norm.weight", (9,), torch.float32),)))
+    assert e.value.reason == "TENSOR_MISMATCH"
+
+
+def test_a_shim_whose_engine_is_gone_reports_not_serving_and_unavailable():
+    shim = spawn_shim("--engine", "vllm", "--engine-url", f"http://127.0.0.1:{closed_port()}",
+                      "--instance-id", "vllm-gone")
+    try:
+        with grpc.insecure_channel(shim.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="refit_grpc.v1.RefitService"), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            stub = pb_grpc.RefitServiceStub(channel)
+            d = stub.Describe(pb.DescribeRequest(), timeout=5)
+            assert d.engine_kind == "vllm" and not d.engine_healthy
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Flush(pb.FlushRequest(mode=pb.PAUSE_MODE_WAIT), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - t0 < 3
+    finally:
+        shim.stop()
