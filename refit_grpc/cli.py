@@ -12,6 +12,11 @@ from refit_grpc.plan import DEFAULT_BUFFER_SIZE_BYTES, DEFAULT_NUM_BUFFERS, Pack
 
 
 def _shim(args: argparse.Namespace) -> int:
+    import faulthandler
+    import signal
+
+    # Operators (and spawn_shim on a start that hangs) get every thread's stack on SIGUSR1.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import torch
 
     from refit_grpc.models.tiny_lm import TinyLMConfig

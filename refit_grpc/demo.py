@@ -90,7 +90,7 @@ def run_demo(workers: int = 3, steps: int = 5, buffer_size_bytes: int = 256 * 10
             failures += not ok
             print(f"epoch v={report.version} loss={loss.item():.3f} bytes={report.bytes} "
                   f"seconds={report.seconds:.3f} GB/s={report.gbps:.3f} "
-                  f"digest={'ok' if digests_ok else 'MISMATCH'} "
+                  f"digest={'ok' if digests_ok else 'MISMATCH'}:{want_digest[:12]} "
                   f"generate={'ok' if tokens_ok else 'MISMATCH'} tokens={want_tokens}",
                   file=out, flush=True)
         link.close()

@@ -38,3 +38,51 @@ def test_health_and_sigterm_exit_cleanly(shim_procs):
     p.signal(signal.SIGTERM)
     assert p.proc.wait(15) == 0
     assert time.monotonic() - t0 < 10
+
+
+def test_a_killed_parent_leaves_no_shim_behind_and_sigusr1_dumps_stacks():
+    """A demo or test run killed outright must not orphan its shims (they would hold ports and
+    memory on a CI host): spawn_shim ties each child to its parent's life."""
+    import os
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from refit_grpc.shim.process import spawn_shim\n"
+         "p = spawn_shim('--model', 'none', stderr=sys.stderr)\n"
+         "print(p.pid, p.address, flush=True)\n"
+         "time.sleep(600)\n"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pid_text, address = parent.stdout.readline().split()
+        shim_pid = int(pid_text)
+        os.kill(shim_pid, signal.SIGUSR1)  # an operator asks a live shim for its stacks
+        with grpc.insecure_channel(address) as channel:  # and it keeps serving afterwards
+            d = pb_grpc.RefitServiceStub(channel).Describe(pb.DescribeRequest(), timeout=10)
+            assert d.state == pb.SHIM_STATE_EMPTY
+        parent.kill()
+        parent.wait(10)
+        end = time.monotonic() + 15
+        while time.monotonic() < end:
+            if not _alive(shim_pid):
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(shim_pid, signal.SIGKILL)
+            raise AssertionError("the shim outlived its killed parent")
+        stderr = parent.stderr.read()
+        assert "Current thread" in stderr or "Thread 0x" in stderr, stderr[-2000:]
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Running or sleeping; a zombie (exited, not yet reaped by whoever adopted it) is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
