@@ -40,6 +40,7 @@ proto: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/ruff check refit_grpc tests
+	$(VENV)/bin/hadolint docker/Dockerfile docker/Dockerfile.vllm
 
 test: proto lint vllm
 	$(PY) -m pytest $(PYTEST_ARGS)

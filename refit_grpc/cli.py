@@ -45,6 +45,13 @@ def _shim(args: argparse.Namespace) -> int:
         key, _, value = item.partition("=")
         options[key.replace("-", "_")] = value
     engine = create_engine(args.engine, **options)
+    import ipaddress
+
+    for cidr in args.allow_master:
+        try:
+            ipaddress.ip_network(cidr)
+        except ValueError as e:
+            raise SystemExit(f"--allow-master / REFIT_GRPC_ALLOW_MASTER: {e}") from None
     config_kwargs = {"max_epoch_s": args.max_epoch_s,
                      "allowed_master_networks": tuple(args.allow_master)}
     if args.instance_id:
@@ -95,6 +102,12 @@ def _call(args: argparse.Namespace) -> int:
                 timeout_s=args.timeout_s)
 
 
+def _health(args: argparse.Namespace) -> int:
+    from refit_grpc.operator_call import health, security_from_args
+
+    return health(args.address, security=security_from_args(args), timeout_s=args.timeout_s)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from refit_grpc.bench import run_bench
 
@@ -131,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     shim.add_argument("--insecure-listen", action="store_true",
                       help="allow a non-loopback address without TLS or a token (logs a warning)")
     shim.add_argument("--allow-master", action="append", default=None, metavar="CIDR",
-                      help="networks whose rendezvous the shim may join (default loopback)")
+                      help="networks whose rendezvous the shim may join (default loopback, or "
+                           "REFIT_GRPC_ALLOW_MASTER: CIDRs separated by commas)")
     shim.set_defaults(func=_shim)
 
     demo = sub.add_parser("demo", help="train a tiny LM and refit a local fleet every step")
@@ -151,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     rpc.add_argument("--key", help="client key (PEM) for mTLS")
     rpc.set_defaults(func=_call)
 
+    check = sub.add_parser("health", help="exit 0 when the shim at ADDRESS is SERVING")
+    check.add_argument("address")
+    check.add_argument("--timeout-s", type=float, default=2.0)
+    check.add_argument("--ca", help="CA certificate (PEM): use TLS")
+    check.add_argument("--cert", help="client certificate (PEM) for mTLS")
+    check.add_argument("--key", help="client key (PEM) for mTLS")
+    check.set_defaults(func=_health)
+
     bench = sub.add_parser("bench", help="refit_grpc epoch vs the raw collective, side by side")
     bench.add_argument("--workers", type=int, default=2)
     bench.add_argument("--total-mb", type=float, default=64)
@@ -161,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if getattr(args, "allow_master", "unset") is None:
-        args.allow_master = ["127.0.0.0/8", "::1/128"]
+        # An environment variable too, for containers whose command line is fixed.
+        from_env = [c.strip() for c in os.environ.get("REFIT_GRPC_ALLOW_MASTER", "").split(",")]
+        args.allow_master = [c for c in from_env if c] or ["127.0.0.0/8", "::1/128"]
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
