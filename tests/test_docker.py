@@ -23,6 +23,8 @@ import yaml
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.shim.process import READY_PREFIX
 
+from conftest import free_port
+
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 BIN = Path(sys.executable).parent
 
@@ -45,12 +47,6 @@ def local(argv: list[str], port: int) -> list[str]:
     """The image's command with this environment's executables and a free port."""
     exe = str(BIN / argv[0]) if (BIN / argv[0]).exists() else argv[0]
     return [exe, *(a.replace("50051", str(port)) for a in argv[1:])]
-
-
-def free_port() -> int:
-    from refit_grpc.demo import free_port as _free_port
-
-    return _free_port()
 
 
 def start(cmd: list[str], env: dict) -> subprocess.Popen:
