@@ -180,8 +180,11 @@ def test_trainer_killed_mid_epoch(shim_procs):
     try:
         assert trainer.stdout.readline().strip() == "connected"
         end = time.monotonic() + 30
-        while time.monotonic() < end:  # kill it while some shim is receiving
-            if any((d := describe(a)) and d.state == pb.SHIM_STATE_RECEIVING for a in addresses):
+        # Kill it while every shim is inside the epoch: a shim whose UpdateWeights had not
+        # arrived yet never started one and rightly stays READY (its group's master is gone; the
+        # next trainer's InitCollective replaces it).
+        while time.monotonic() < end:
+            if all((d := describe(a)) and d.state == pb.SHIM_STATE_RECEIVING for a in addresses):
                 break
         else:
             pytest.fail("never caught the trainer mid-epoch")
