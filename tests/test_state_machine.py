@@ -175,6 +175,15 @@ def test_init_collective_validation(shim):
     assert init(master_address="10.1.2.3") == \
         (grpc.StatusCode.FAILED_PRECONDITION, "MASTER_NOT_ALLOWED")
     assert init(group_id="") == (bad, "INVALID_GROUP_ID")
+    if not torch.cuda.is_available():  # with CUDA, nccl is valid here and the join would start
+        # Refused before ACCEPTED: the reference engine joins in this process, which has no GPU.
+        msgs = []
+        with pytest.raises(grpc.RpcError) as e:
+            msgs.extend(sh.stub.InitCollective(pb.InitCollectiveRequest(
+                master_address="127.0.0.1", master_port=free_port(), world_size=2,
+                rank_offset=1, backend=pb.BACKEND_NCCL, group_id="g", plan_digest=digest),
+                timeout=5))
+        assert msgs == [] and reason_of(e.value) == (bad, "BACKEND_UNAVAILABLE")
     assert sh.describe().state == S.SHIM_STATE_PREPARED
 
 
