@@ -110,6 +110,16 @@ def expected_tokens(trainer, weights: dict, prompt=PROMPT, n: int = GEN) -> list
     return hf_greedy(model, prompt, n)
 
 
+def assert_serving_the_old_version(server, d: pb.DescribeResponse, trainer) -> None:
+    """After an epoch that moved no byte: the shim is PREPARED at the last committed version,
+    the engine healthy and resumed, and vLLM still generates from the old weights."""
+    assert (d.state, d.weight_version, d.paused, d.engine_healthy) == \
+        (pb.SHIM_STATE_PREPARED, trainer["version"], False, True), d
+    assert http_json("GET", server.url, "/is_paused")[1] == {"is_paused": False}
+    assert complete(server.url, PROMPT, GEN)["token_ids"] == \
+        expected_tokens(trainer, trainer["weights"])
+
+
 def health(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -164,12 +174,7 @@ def test_stale_version_is_refused_before_any_byte_and_old_weights_keep_serving(
         fleet.refit(link, new_weights(trainer["weights"], seed=999), version=trainer["version"])
     assert refused.value.reasons == {"STALE_VERSION"}
     link.close()
-    (d,) = fleet.describe()
-    assert d.weight_version == trainer["version"] and d.state == pb.SHIM_STATE_PREPARED
-    assert d.engine_healthy and not d.paused
-    assert http_json("GET", server.url, "/is_paused")[1] == {"is_paused": False}
-    assert complete(server.url, PROMPT, GEN)["token_ids"] == \
-        expected_tokens(trainer, trainer["weights"])
+    assert_serving_the_old_version(server, fleet.describe()[0], trainer)
 
 
 def test_a_peer_refusing_the_epoch_leaves_the_vllm_engine_serving_its_weights(
@@ -203,11 +208,7 @@ def test_a_peer_refusing_the_epoch_leaves_the_vllm_engine_serving_its_weights(
             both.close()
     finally:
         other.stop()
-    assert (d.state, d.weight_version, d.paused) == \
-        (pb.SHIM_STATE_PREPARED, trainer["version"], False), d
-    assert http_json("GET", server.url, "/is_paused")[1] == {"is_paused": False}
-    assert complete(server.url, PROMPT, GEN)["token_ids"] == \
-        expected_tokens(trainer, trainer["weights"])
+    assert_serving_the_old_version(server, d, trainer)
 
 
 def test_a_trainer_gone_before_the_first_byte_leaves_the_weights_intact(server, fleet, trainer):
@@ -226,11 +227,7 @@ def test_a_trainer_gone_before_the_first_byte_leaves_the_weights_intact(server, 
     (failure,) = failed.value.failures
     assert failure.reason == "COLLECTIVE_FAILED" and "applied=0/" in failure.message, failure
     print(f"epoch failed {time.monotonic() - t0:.2f}s after the trainer left: {failure}")
-    (d,) = fleet.describe()
-    assert (d.state, d.weight_version, d.paused) == \
-        (pb.SHIM_STATE_PREPARED, trainer["version"], False), d
-    assert complete(server.url, PROMPT, GEN)["token_ids"] == \
-        expected_tokens(trainer, trainer["weights"])
+    assert_serving_the_old_version(server, fleet.describe()[0], trainer)
 
 
 def test_an_operator_abort_reaches_the_worker_while_the_trainer_stays_connected(
@@ -258,11 +255,7 @@ def test_an_operator_abort_reaches_the_worker_while_the_trainer_stays_connected(
     (failure,) = failed.value.failures
     assert failure.code == grpc.StatusCode.ABORTED, failure
     print(f"operator Abort answered in {took:.2f}s: {failure}")
-    (d,) = fleet.describe()
-    assert (d.state, d.weight_version, d.paused) == \
-        (pb.SHIM_STATE_PREPARED, trainer["version"], False), d
-    assert complete(server.url, PROMPT, GEN)["token_ids"] == \
-        expected_tokens(trainer, trainer["weights"])
+    assert_serving_the_old_version(server, fleet.describe()[0], trainer)
 
 
 def test_flush_wait_on_a_busy_engine_finishes_requests_and_empties_the_prefix_cache(
