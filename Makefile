@@ -50,7 +50,7 @@ demo: proto
 
 # Two vLLM CPU engines, each behind a shim; a trainer refits them after every optimisation step.
 demo-vllm: proto vllm
-	$(PY) -m refit_grpc.demo_vllm
+	$(PY) -m refit_grpc.tools.demo_vllm
 
 bench: proto
 	$(VENV)/bin/refit-grpc bench

@@ -15,36 +15,41 @@ _EXPORTS = {
     "Fleet": "refit_grpc.driver",
     "TrainerLink": "refit_grpc.driver",
     "WorkerEndpoint": "refit_grpc.driver",
-    "EpochFailedError": "refit_grpc.errors",
-    "EpochRefusedError": "refit_grpc.errors",
-    "FleetError": "refit_grpc.errors",
-    "FleetTimeoutError": "refit_grpc.errors",
+    "EpochFailedError": "refit_grpc.driver.failures",
+    "EpochRefusedError": "refit_grpc.driver.failures",
+    "FleetError": "refit_grpc.driver.failures",
+    "FleetTimeoutError": "refit_grpc.driver.failures",
+    "WorkerFailure": "refit_grpc.driver.failures",
     "MembershipChangedError": "refit_grpc.errors",
     "RefitError": "refit_grpc.errors",
+    "Reason": "refit_grpc.reasons",
     "Packing": "refit_grpc.plan",
     "RefitPlan": "refit_grpc.plan",
     "TensorSpec": "refit_grpc.plan",
-    "PauseMode": "refit_grpc.shim.engines.base",
+    "Deadline": "refit_grpc.common",
+    "PauseMode": "refit_grpc.common",
 }
 
 __all__ = [
-    "ChannelSecurity", "EpochFailedError", "EpochRefusedError", "EpochReport", "Fleet",
-    "FleetError", "FleetTimeoutError", "MembershipChangedError", "Packing", "PauseMode",
-    "RefitError", "RefitPlan", "TensorSpec", "TrainerLink", "WorkerEndpoint",
+    "ChannelSecurity", "Deadline", "EpochFailedError", "EpochRefusedError", "EpochReport",
+    "Fleet", "FleetError", "FleetTimeoutError", "MembershipChangedError", "Packing", "PauseMode",
+    "Reason", "RefitError", "RefitPlan", "TensorSpec", "TrainerLink", "WorkerEndpoint",
+    "WorkerFailure",
 ]
 
 if TYPE_CHECKING:
+    from refit_grpc.common import Deadline, PauseMode
     from refit_grpc.driver import ChannelSecurity, EpochReport, Fleet, TrainerLink, WorkerEndpoint
-    from refit_grpc.errors import (
+    from refit_grpc.driver.failures import (
         EpochFailedError,
         EpochRefusedError,
         FleetError,
         FleetTimeoutError,
-        MembershipChangedError,
-        RefitError,
+        WorkerFailure,
     )
+    from refit_grpc.errors import MembershipChangedError, RefitError
     from refit_grpc.plan import Packing, RefitPlan, TensorSpec
-    from refit_grpc.shim.engines.base import PauseMode
+    from refit_grpc.reasons import Reason
 
 
 def __getattr__(name: str) -> Any:

@@ -90,7 +90,7 @@ def _read_tokens(path: str | None) -> list[str]:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from refit_grpc.demo import run_demo
+    from refit_grpc.tools.demo import run_demo
 
     return run_demo(workers=args.workers, steps=args.steps, buffer_size_bytes=args.buffer_size_bytes)
 
@@ -109,7 +109,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from refit_grpc.bench import run_bench
+    from refit_grpc.tools.bench import run_bench
 
     return run_bench(workers=args.workers, total_mb=args.total_mb, tensors=args.tensors,
                      buffer_size_bytes=args.buffer_size_bytes, reps=args.reps)

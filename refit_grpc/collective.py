@@ -26,68 +26,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from refit_grpc.common import CANCEL_POLL_S, Deadline, GroupSpec
 from refit_grpc.errors import (
     CollectiveError,
-    EpochAbortedError,
     InvalidArgumentError,
     InvalidPlanError,
     RefitTimeoutError,
 )
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
+from refit_grpc.reasons import Reason
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("gloo", "nccl")
-# How often a blocked wait looks at its cancel event; bounds how late an abort is noticed.
-_CANCEL_POLL_S = 0.05
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    master_address: str
-    master_port: int
-    world_size: int
-    rank: int
-    backend: str = "gloo"
-    group_id: str = "refit"
-
-    def validate(self) -> None:
-        if not self.master_address:
-            raise InvalidArgumentError("master_address is empty", reason="INVALID_MASTER_ADDRESS")
-        if not 0 < self.master_port < 65536:
-            raise InvalidArgumentError(f"master_port {self.master_port} out of range",
-                                       reason="INVALID_MASTER_PORT")
-        if self.world_size < 2:
-            raise InvalidArgumentError(f"world_size must be >= 2, got {self.world_size}",
-                                       reason="INVALID_WORLD_SIZE")
-        if not 0 <= self.rank < self.world_size:
-            raise InvalidArgumentError(f"rank {self.rank} outside [0, {self.world_size})",
-                                       reason="INVALID_RANK")
-        if self.backend not in BACKENDS:
-            raise InvalidArgumentError(f"backend {self.backend!r} not in {BACKENDS}",
-                                       reason="INVALID_BACKEND")
-        if not self.group_id:
-            raise InvalidArgumentError("group_id is empty", reason="INVALID_GROUP_ID")
-
-
-class Deadline:
-    """An absolute monotonic deadline plus a cancel flag, handed down every blocking call."""
-
-    def __init__(self, seconds: float, cancel: threading.Event | None = None):
-        self.at = time.monotonic() + seconds
-        self.cancel = cancel or threading.Event()
-
-    def remaining(self) -> float:
-        return self.at - time.monotonic()
-
-    def check(self, what: str) -> float:
-        if self.cancel.is_set():
-            raise EpochAbortedError(f"{what}: aborted", reason="EPOCH_ABORTED")
-        left = self.remaining()
-        if left <= 0:
-            raise RefitTimeoutError(f"{what}: deadline exceeded")
-        return left
-
 
 class Group:
     """A joined data group. Only rank 0 ever sends."""
@@ -111,7 +60,7 @@ class Group:
         # workers (elsewhere, with GPUs) do the joining.
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise InvalidArgumentError("backend nccl needs CUDA, which this process lacks",
-                                       reason="BACKEND_UNAVAILABLE")
+                                       reason=Reason.BACKEND_UNAVAILABLE)
         timeout = datetime.timedelta(seconds=max(timeout_s, 0.001))
         try:
             store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size,
@@ -132,9 +81,9 @@ class Group:
             if "timeout" in text.lower() or "timed out" in text.lower():
                 raise RefitTimeoutError(f"rendezvous at {spec.master_address}:"
                                         f"{spec.master_port} timed out after {timeout_s:.1f}s: "
-                                        f"{text[:300]}", reason="RENDEZVOUS_TIMEOUT") from e
+                                        f"{text[:300]}", reason=Reason.RENDEZVOUS_TIMEOUT) from e
             raise CollectiveError(f"rendezvous at {spec.master_address}:{spec.master_port} "
-                                  f"failed: {text[:300]}", reason="RENDEZVOUS_FAILED") from e
+                                  f"failed: {text[:300]}", reason=Reason.RENDEZVOUS_FAILED) from e
         log.info("joined group %s rank %d/%d (%s)", spec.group_id, spec.rank, spec.world_size,
                  spec.backend)
         return cls(spec, store, pg)
@@ -149,7 +98,7 @@ class Group:
         opts.timeout = datetime.timedelta(seconds=max(deadline.check("broadcast"), 0.001))
         with self._pg_lock:
             if self._pg is None:
-                raise CollectiveError("group is closed", reason="GROUP_CLOSED")
+                raise CollectiveError("group is closed", reason=Reason.GROUP_CLOSED)
             # No local name for the group: only the reaper may ever drop its last reference.
             work = self._pg.broadcast([tensor], opts)
         return _PendingOp(work)
@@ -222,7 +171,7 @@ class _PendingOp:
         work.get_future().add_done_callback(lambda _f: self._done.set())
 
     def wait(self, deadline: Deadline, what: str) -> None:
-        while not self._done.wait(min(_CANCEL_POLL_S, max(deadline.check(what), 0.0))):
+        while not self._done.wait(min(CANCEL_POLL_S, max(deadline.check(what), 0.0))):
             pass
         try:
             self._work.wait()
@@ -293,7 +242,7 @@ class Sender:
 
     def __init__(self, group: Group, plan: RefitPlan):
         if group.spec.rank != 0:
-            raise InvalidArgumentError("only rank 0 sends", reason="INVALID_RANK")
+            raise InvalidArgumentError("only rank 0 sends", reason=Reason.INVALID_RANK)
         self.group = group
         self.plan = plan
 
@@ -303,11 +252,11 @@ class Sender:
             t = tensors.get(s.name)
             if t is None:
                 raise InvalidPlanError(f"tensor {s.name!r} of the plan is missing",
-                                       reason="MISSING_TENSOR")
+                                       reason=Reason.MISSING_TENSOR)
             if tuple(t.shape) != s.shape or t.dtype != s.dtype:
                 raise InvalidPlanError(
                     f"tensor {s.name!r} is {tuple(t.shape)} {t.dtype}, plan says {s.shape} {s.dtype}",
-                    reason="TENSOR_MISMATCH")
+                    reason=Reason.TENSOR_MISMATCH)
 
     def send(self, tensors: Mapping[str, torch.Tensor], deadline: Deadline,
              on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
@@ -333,13 +282,13 @@ class Sender:
 
 def receive(group: Group, plan: RefitPlan, deadline: Deadline,
             apply: Callable[[Bucket, Iterator[tuple[TensorSpec, torch.Tensor]]], None],
-            on_bucket: Callable[[Bucket], None] | None = None,
-            on_posted: Callable[[], None] | None = None) -> TransferStats:
+            on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
     """Engine rank: receive every bucket of the plan and hand each to `apply`.
 
-    The receive of the next `num_buffers - 1` buckets is posted before bucket i is applied, so
-    applying overlaps the transfer. `on_posted` runs once the first receive is posted: from then
-    on the sender may broadcast.
+    The receives of the first `num_buffers` buckets are posted up front and the next one as soon
+    as a buffer is free, so applying bucket i overlaps the transfer of the following ones. The
+    sender need not wait for these posts: a broadcast completes only once every rank has joined
+    it, so a sender that starts first simply waits (bounded by its own deadline).
     """
     slots = _slots(plan, group.device)
     buckets = plan.buckets
@@ -353,8 +302,6 @@ def receive(group: Group, plan: RefitPlan, deadline: Deadline,
     t0 = time.monotonic()
     for i in range(min(len(slots), len(buckets))):
         post(i)
-    if on_posted:
-        on_posted()
     for b in buckets:
         op, buf = pending.pop(b.index)
         op.wait(deadline, f"receive of bucket {b.index}/{len(buckets)}")

@@ -12,7 +12,7 @@ import grpc
 from google.protobuf import json_format
 
 from refit_grpc.driver.endpoint import ChannelSecurity, WorkerEndpoint
-from refit_grpc.driver.fleet import failure_from_rpc
+from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.proto import pb, pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["RefitService"]

@@ -19,6 +19,7 @@ from functools import cached_property
 import torch
 
 from refit_grpc.errors import InvalidPlanError
+from refit_grpc.reasons import Reason
 
 # vLLM's defaults (1 GiB, 2 buffers); a shim offers these unless configured otherwise.
 DEFAULT_BUFFER_SIZE_BYTES = 1 << 30
@@ -47,13 +48,13 @@ def dtype_from_name(name: str) -> torch.dtype:
     key = name.removeprefix("torch.")
     if key not in DTYPES:
         raise InvalidPlanError(f"unsupported dtype {name!r}; supported: {sorted(DTYPES)}",
-                               reason="UNSUPPORTED_DTYPE")
+                               reason=Reason.UNSUPPORTED_DTYPE)
     return DTYPES[key]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     if dtype not in DTYPE_NAMES:
-        raise InvalidPlanError(f"unsupported dtype {dtype}", reason="UNSUPPORTED_DTYPE")
+        raise InvalidPlanError(f"unsupported dtype {dtype}", reason=Reason.UNSUPPORTED_DTYPE)
     return DTYPE_NAMES[dtype]
 
 
@@ -84,10 +85,10 @@ class Packing:
     def validate(self) -> None:
         if self.buffer_size_bytes <= 0:
             raise InvalidPlanError(f"buffer_size_bytes must be > 0, got {self.buffer_size_bytes}",
-                                   reason="INVALID_PACKING")
+                                   reason=Reason.INVALID_PACKING)
         if self.num_buffers < 1:
             raise InvalidPlanError(f"num_buffers must be >= 1, got {self.num_buffers}",
-                                   reason="INVALID_PACKING")
+                                   reason=Reason.INVALID_PACKING)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class RefitPlan:
         dtype may be a torch.dtype or its name (with or without the "torch." prefix).
         """
         if info is None:
-            raise InvalidPlanError("state_dict_info is None", reason="EMPTY_PLAN")
+            raise InvalidPlanError("state_dict_info is None", reason=Reason.EMPTY_PLAN)
         specs = []
         for name, (shape, dtype) in info.items():
             dt = dtype if isinstance(dtype, torch.dtype) else dtype_from_name(str(dtype))
@@ -148,27 +149,28 @@ class RefitPlan:
         from refit_grpc.errors import PlanTooLargeError
 
         if not self.tensors:
-            raise InvalidPlanError("plan has no tensors", reason="EMPTY_PLAN")
+            raise InvalidPlanError("plan has no tensors", reason=Reason.EMPTY_PLAN)
         if max_tensors is not None and len(self.tensors) > max_tensors:
             raise PlanTooLargeError(f"plan has {len(self.tensors)} tensors, limit {max_tensors}")
         self.packing.validate()
         seen: set[str] = set()
         for i, spec in enumerate(self.tensors):
             if not spec.name:
-                raise InvalidPlanError(f"tensor {i} has an empty name", reason="EMPTY_NAME")
+                raise InvalidPlanError(f"tensor {i} has an empty name", reason=Reason.EMPTY_NAME)
             if spec.name in seen:
-                raise InvalidPlanError(f"duplicate tensor name {spec.name!r}", reason="DUPLICATE_NAME")
+                raise InvalidPlanError(f"duplicate tensor name {spec.name!r}",
+                                       reason=Reason.DUPLICATE_NAME)
             seen.add(spec.name)
             if spec.dtype not in DTYPE_NAMES:
                 raise InvalidPlanError(f"tensor {spec.name!r}: unsupported dtype {spec.dtype}",
-                                       reason="UNSUPPORTED_DTYPE")
+                                       reason=Reason.UNSUPPORTED_DTYPE)
             if any(d < 0 for d in spec.shape):
                 raise InvalidPlanError(f"tensor {spec.name!r}: negative dimension in {spec.shape}",
-                                       reason="INVALID_SHAPE")
+                                       reason=Reason.INVALID_SHAPE)
             if spec.numel == 0:
                 # An empty tensor carries no bytes; vLLM's packer cannot view it either.
                 raise InvalidPlanError(f"tensor {spec.name!r}: zero-size shape {spec.shape}",
-                                       reason="INVALID_SHAPE")
+                                       reason=Reason.INVALID_SHAPE)
         if max_total_bytes is not None and self.total_bytes > max_total_bytes:
             raise PlanTooLargeError(
                 f"plan is {self.total_bytes} bytes, limit {max_total_bytes}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from refit_grpc.shim.engines.base import PauseMode
+from refit_grpc.common import PauseMode
 from refit_grpc.v1 import reference_engine_pb2 as ref_pb  # noqa: F401
 from refit_grpc.v1 import reference_engine_pb2_grpc as ref_pb_grpc  # noqa: F401
 from refit_grpc.v1 import refit_pb2 as pb

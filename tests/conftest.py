@@ -7,7 +7,8 @@ import threading
 import grpc
 import pytest
 
-from refit_grpc.collective import Group, GroupSpec
+from refit_grpc.collective import Group
+from refit_grpc.common import GroupSpec
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.process import ShimProcess, spawn_shim
@@ -16,7 +17,7 @@ from refit_grpc.shim.service import ShimConfig
 
 
 def free_port() -> int:
-    from refit_grpc.demo import free_port as _free_port
+    from refit_grpc.testing.ports import free_port as _free_port
 
     return _free_port()
 

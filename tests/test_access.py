@@ -12,7 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refit_grpc import ChannelSecurity, Fleet, Packing, WorkerEndpoint
-from refit_grpc.driver.fleet import failure_from_rpc
+from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.proto import pb, pb_grpc
 
 from conftest import free_port

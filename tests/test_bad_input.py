@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refit_grpc.driver.endpoint import WorkerEndpoint
-from refit_grpc.driver.fleet import failure_from_rpc
+from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.shim.engines.reference import ReferenceEngine

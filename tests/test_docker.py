@@ -131,7 +131,7 @@ def test_the_compose_shim_command_runs_and_reports_its_engine_missing():
 
 
 def test_the_vllm_image_starts_vllm_as_the_tested_command_does():
-    from refit_grpc.demo_vllm import vllm_command
+    from refit_grpc.testing.vllm import vllm_command
 
     ins = instructions(DOCKER / "Dockerfile.vllm")
     image = ins["ENTRYPOINT"] + ins["CMD"]

@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refit_grpc import EpochFailedError, Fleet, FleetError, Packing, RefitError, WorkerEndpoint
-from refit_grpc.collective import Deadline
+from refit_grpc.common import Deadline
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb, pb_grpc
 
@@ -157,7 +157,7 @@ def test_shim_frozen_longer_than_the_deadline(shim_procs):
 TRAINER = """
 import sys, time, torch
 from refit_grpc import Fleet, Packing, WorkerEndpoint
-from refit_grpc.demo import free_port
+from refit_grpc.testing.ports import free_port
 addresses = sys.argv[1:]
 w = {f"layer.{i}": torch.randn(256 * 1024) for i in range(64)}
 fleet = Fleet([WorkerEndpoint(f"w{i}", a) for i, a in enumerate(addresses)],

@@ -176,7 +176,7 @@ def test_worker_killed_mid_epoch_fails_fast_naming_it(shim_procs):
     import signal
 
     from refit_grpc import EpochFailedError
-    from refit_grpc.collective import Deadline
+    from refit_grpc.common import Deadline
     from refit_grpc.errors import RefitError
 
     shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(3)]

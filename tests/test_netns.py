@@ -43,11 +43,11 @@ from refit_grpc import (
     WorkerEndpoint,
 )
 from refit_grpc.collective import Sender
-from refit_grpc.demo import free_port
-from refit_grpc.driver.fleet import TrainerLink
+from refit_grpc.driver.links import GlooLink
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.shim.process import READY_PREFIX, ShimProcess
+from refit_grpc.testing.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -287,7 +287,7 @@ class _CutMidBroadcast(Sender):
     """The link's sender, with a hook that pulls the victim's cable mid-broadcast: once bucket
     CUT_AFTER_BUCKET is posted and the victim has applied at least one bucket."""
 
-    def __init__(self, link: TrainerLink, cut):
+    def __init__(self, link: GlooLink, cut):
         super().__init__(link.group, link.plan)
         self._cut = cut
 
@@ -340,7 +340,7 @@ def test_link_cut_mid_broadcast_fails_fast_naming_the_host_and_recovers(
     with Fleet(endpoints, packing=Packing(BUFFER, 2), control_timeout_s=CONTROL_S,
                join_timeout_s=20, epoch_timeout_s=EPOCH_S,
                security=ChannelSecurity(token=token)) as fleet:
-        links: list[TrainerLink] = []
+        links: list[GlooLink] = []
         try:
             _run_phases(fleet, net, shims, token, progress, changed, on_progress, links,
                         t_start)
@@ -351,7 +351,7 @@ def test_link_cut_mid_broadcast_fails_fast_naming_the_host_and_recovers(
 
 def _run_phases(fleet: Fleet, net: Net, shims: list[NetnsShim], token: str,
                 progress: dict[str, int], changed: threading.Condition, on_progress,
-                links: list[TrainerLink], t_start: float) -> None:
+                links: list[GlooLink], t_start: float) -> None:
     """Healthy epoch; link cut mid-broadcast; checks on every host; flush refused; recovery."""
     victim = shims[CUT]
     t1 = _weights(1)

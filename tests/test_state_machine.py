@@ -9,9 +9,10 @@ import grpc
 import pytest
 import torch
 
-from refit_grpc.collective import Deadline, Sender
+from refit_grpc.collective import Sender
+from refit_grpc.common import Deadline
 from refit_grpc.driver.endpoint import WorkerEndpoint
-from refit_grpc.driver.fleet import failure_from_rpc
+from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import DTYPE_TO_PROTO, pb, ref_pb, ref_pb_grpc
 from refit_grpc.shim.engines.reference import ReferenceEngine

@@ -16,8 +16,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from refit_grpc.collective import Deadline, GroupSpec
+from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
+    Code,
     CollectiveError,
     EngineUnavailableError,
     EpochAbortedError,
@@ -28,10 +29,9 @@ from refit_grpc.errors import (
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.shim.engines import create_engine
-from refit_grpc.shim.engines.base import PauseMode
 from refit_grpc.shim.engines.vllm import VLLMEngine
 from refit_grpc.shim.process import spawn_shim
-from refit_grpc.vllm_plugin import applied_marker
+from refit_grpc.vllm_info import applied_marker
 
 PLAN = RefitPlan((TensorSpec("model.norm.weight", (8,), torch.float32),),
                  Packing(16, 2))
@@ -133,7 +133,7 @@ def test_a_dead_engine_is_unhealthy_and_unavailable_at_once():
     assert not status.healthy
     with pytest.raises(EngineUnavailableError) as e:
         engine.pause(PauseMode.KEEP, Deadline(10))
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert e.value.code == Code.UNAVAILABLE
     assert time.monotonic() - t0 < 2.0
 
 

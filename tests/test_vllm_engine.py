@@ -32,8 +32,11 @@ from refit_grpc import (  # noqa: E402
     PauseMode,
     WorkerEndpoint,
 )
-from refit_grpc.collective import Deadline  # noqa: E402
-from refit_grpc.demo_vllm import (  # noqa: E402
+from refit_grpc.common import Deadline  # noqa: E402
+from refit_grpc.errors import RefitError  # noqa: E402
+from refit_grpc.proto import pb, pb_grpc  # noqa: E402
+from refit_grpc.shim.process import spawn_shim  # noqa: E402
+from refit_grpc.testing.vllm import (  # noqa: E402
     PROMPT,
     complete,
     free_port,
@@ -42,9 +45,6 @@ from refit_grpc.demo_vllm import (  # noqa: E402
     load_hf_model,
     measure_refit_cycles,
 )
-from refit_grpc.errors import RefitError  # noqa: E402
-from refit_grpc.proto import pb, pb_grpc  # noqa: E402
-from refit_grpc.shim.process import spawn_shim  # noqa: E402
 
 BUFFER = 256 * 1024  # the 1.7 MB model in 5 buckets
 EPOCH_S = 60.0

@@ -28,20 +28,13 @@ from vllm.distributed.weight_transfer.nccl_engine import (  # noqa: E402
     NCCLWeightTransferUpdateInfo,
 )
 
-from refit_grpc.collective import Deadline  # noqa: E402
-from refit_grpc.demo_vllm import free_port  # noqa: E402
+from refit_grpc.common import Deadline  # noqa: E402
 from refit_grpc.driver import Fleet, WorkerEndpoint  # noqa: E402
+from refit_grpc.driver.nccl import UNIQUE_ID_KEY, NcclSender, open_rendezvous  # noqa: E402
 from refit_grpc.errors import InvalidArgumentError  # noqa: E402
 from refit_grpc.plan import Packing, RefitPlan  # noqa: E402
-from refit_grpc.vllm_plugin.nccl_sender import (  # noqa: E402
-    UNIQUE_ID_KEY,
-    NcclSender,
-    connect,
-    open_rendezvous,
-    worker_init_info,
-    worker_ranks,
-    worker_update_info,
-)
+from refit_grpc.testing.ports import free_port  # noqa: E402
+from refit_grpc.vllm_info import nccl_init_info, update_info_for, worker_ranks  # noqa: E402
 
 
 def model_like_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -89,12 +82,12 @@ def cpu_streams(monkeypatch):
 
 def test_init_and_update_info_are_vllms():
     plan = RefitPlan.from_tensors(model_like_tensors().items(), Packing(20_000, 3))
-    payload = worker_init_info("10.0.0.1", 29500, 9, 5, plan.packing)
+    payload = nccl_init_info("10.0.0.1", 29500, 9, 5, plan.packing)
     info = NCCLWeightTransferInitInfo(**payload)
     assert nccl_common.worker_init_payload(info) == payload
     assert (info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers) == \
         (True, 20_000, 3)
-    update = NCCLWeightTransferUpdateInfo(**worker_update_info(plan))
+    update = NCCLWeightTransferUpdateInfo(**update_info_for(plan, "nccl"))
     assert update.names == [s.name for s in plan.tensors]
     assert update.dtype_names[2] == "bfloat16"
 
@@ -111,7 +104,7 @@ def test_engine_ranks_are_vllms_and_fill_the_group(monkeypatch, tp_pp, dp, engin
     ours = []
     for i in range(engines):
         offset = 1 + i * engine_world  # what Fleet.init_collective gives engine i
-        info = NCCLWeightTransferInitInfo(**worker_init_info("127.0.0.1", 29500, world, offset,
+        info = NCCLWeightTransferInitInfo(**nccl_init_info("127.0.0.1", 29500, world, offset,
                                                              Packing()))
         for d in range(dp):
             for r in range(tp_pp):
@@ -182,11 +175,14 @@ def test_sender_refuses_mismatched_tensors_before_any_byte():
     assert rec.sizes == []
 
 
-def test_connect_needs_an_nccl_fleet():
-    fleet = Fleet([WorkerEndpoint("w", "127.0.0.1:1")], backend="gloo")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a trainer without CUDA")
+def test_connect_refuses_nccl_without_cuda_before_any_rpc():
+    # No shim listens at this address: a refusal that came from an RPC would be a FleetError.
+    fleet = Fleet([WorkerEndpoint("w", "127.0.0.1:1")], backend="nccl")
     try:
-        with pytest.raises(InvalidArgumentError):
-            connect(fleet, "127.0.0.1", free_port())
+        with pytest.raises(InvalidArgumentError) as e:
+            fleet.connect("127.0.0.1", free_port())
+        assert e.value.reason == "BACKEND_UNAVAILABLE"
     finally:
         fleet.close()
 
@@ -198,12 +194,11 @@ WORKER = textwrap.dedent("""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
     from refit_grpc.plan import Packing, RefitPlan
-    from refit_grpc.vllm_plugin.nccl_sender import worker_init_info
     port, out = int(sys.argv[1]), sys.argv[2]
     torch.cuda.set_device(1)
     spec = torch.load(out + ".plan")
     plan = RefitPlan.from_state_dict_info(spec["info"], Packing(*spec["packing"]))
-    info = NCCLWeightTransferInitInfo(**worker_init_info("127.0.0.1", port, 2, 1, plan.packing))
+    info = NCCLWeightTransferInitInfo(**nccl_init_info("127.0.0.1", port, 2, 1, plan.packing))
     comm = worker_init_process_group(info, SimpleNamespace(data_parallel_index=0, world_size=1,
                                                            rank=0))
     got = {}

@@ -1,7 +1,18 @@
-"""The trainer side: endpoints, the Fleet of stubs, and the link the sender broadcasts through."""
+"""The trainer side: endpoints, the Fleet of stubs, its epochs, and the links the sender broadcasts
+through. Imports nothing from the shim: the two meet only on the wire (the proto)."""
 
 from refit_grpc.driver.endpoint import ChannelSecurity, WorkerEndpoint
-from refit_grpc.driver.fleet import EpochHandle, EpochReport, Fleet, TrainerLink, WorkerReport
+from refit_grpc.driver.epoch import EpochHandle, ProgressCallback
+from refit_grpc.driver.failures import (
+    EpochFailedError,
+    EpochRefusedError,
+    FleetError,
+    FleetTimeoutError,
+    WorkerFailure,
+)
+from refit_grpc.driver.fleet import EpochReport, Fleet, WorkerReport
+from refit_grpc.driver.links import GlooLink, TrainerLink
 
-__all__ = ["ChannelSecurity", "EpochHandle", "EpochReport", "Fleet", "TrainerLink",
-           "WorkerEndpoint", "WorkerReport"]
+__all__ = ["ChannelSecurity", "EpochFailedError", "EpochHandle", "EpochRefusedError",
+           "EpochReport", "Fleet", "FleetError", "FleetTimeoutError", "GlooLink",
+           "ProgressCallback", "TrainerLink", "WorkerEndpoint", "WorkerFailure", "WorkerReport"]

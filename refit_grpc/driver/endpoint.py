@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from refit_grpc.shim.server import MAX_MESSAGE_BYTES
+from refit_grpc.common import MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)

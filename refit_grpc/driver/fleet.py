@@ -5,6 +5,10 @@ Its surface mirrors NeMo RL's `DynamoRefitChannel` so trainer code written for i
 `update_weights()` returning handles, `flush_cache()`. On top: `connect()` (group + trainer join),
 `refit()` (one whole epoch), `describe()`, `abort()`.
 
+Who owns what: `epoch.py` tracks one UpdateWeights epoch (its streams and threads),
+`failures.py` decodes what a worker said, `links.py` is the trainer's end of the data group
+(`nccl.py` for vLLM's own NCCL receiver); this module orchestrates.
+
 Retry policy: idempotent unary calls (Describe, Prepare, Flush, Abort) retry on UNAVAILABLE with
 exponential backoff and jitter. InitCollective and UpdateWeights are never retried alone: a failed
 epoch is aborted fleet-wide and must be re-run as a whole (connect, then refit).
@@ -18,30 +22,29 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import tenacity
 import torch
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
-from refit_grpc.collective import Deadline, Group, GroupSpec, Sender
+from refit_grpc.collective import Group
+from refit_grpc.common import GroupSpec, PauseMode
 from refit_grpc.driver.endpoint import ChannelSecurity, WorkerEndpoint
-from refit_grpc.errors import (
+from refit_grpc.driver.epoch import EpochHandle, ProgressCallback, WorkerLink
+from refit_grpc.driver.failures import (
     EpochFailedError,
-    EpochRefusedError,
     FleetError,
     FleetTimeoutError,
-    InvalidArgumentError,
-    MembershipChangedError,
-    RefitError,
     WorkerFailure,
+    failure_from_rpc,
 )
+from refit_grpc.driver.links import GlooLink, TrainerLink
+from refit_grpc.errors import InvalidArgumentError, MembershipChangedError, RefitError
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import BACKEND_FROM_NAME, DTYPE_TO_PROTO, PAUSE_MODE_TO_PROTO, pb, pb_grpc
-from refit_grpc.shim.engines.base import PauseMode
+from refit_grpc.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -68,222 +71,8 @@ class EpochReport:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def failure_from_rpc(worker: WorkerEndpoint, err: grpc.RpcError) -> WorkerFailure:
-    """A WorkerFailure with the ErrorInfo reason the shim attached (or the status code's name)."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    reason = code.name
-    message = err.details() if hasattr(err, "details") else str(err)
-    try:
-        status = rpc_status.from_call(err)
-    except (ValueError, AttributeError):
-        status = None
-    if status is not None:
-        for detail in status.details:
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                reason = info.reason
-    return WorkerFailure(worker.instance_id, worker.address, code, reason, message or "")
-
-
 def _unavailable(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
-
-
-class _Worker:
-    def __init__(self, endpoint: WorkerEndpoint, security: ChannelSecurity):
-        self.endpoint = endpoint
-        self.channel = security.open(endpoint.address)
-        self.stub = pb_grpc.RefitServiceStub(self.channel)
-        self.metadata = security.metadata()
-
-
-# (instance_id, bucket_index, bucket_count), called on the stream's thread after each bucket.
-ProgressCallback = Callable[[str, int, int], None]
-
-
-class EpochHandle:
-    """One UpdateWeights stream per worker, consumed on background threads."""
-
-    def __init__(self, fleet: Fleet, version: int, request: pb.UpdateWeightsRequest,
-                 timeout_s: float, on_progress: ProgressCallback | None = None):
-        self.version = version
-        self._fleet = fleet
-        self._t0 = time.monotonic()
-        self._deadline_at = self._t0 + timeout_s
-        n = len(fleet._workers)
-        self._accepted = [False] * n
-        self._committed: list[pb.UpdateWeightsResponse | None] = [None] * n
-        self._failures: list[WorkerFailure | None] = [None] * n
-        self._accepted_before_failure: list[bool] = [False] * n
-        self._done = [threading.Event() for _ in range(n)]
-        self._changed = threading.Condition()
-        self._calls = [None] * n
-        self._aborted = False
-        self._unresponsive: set[int] = set()
-        self._on_progress = on_progress
-        # Buckets each worker reported applied (PROGRESS) so far in this epoch.
-        self.buckets_applied = [0] * n
-        # Set by the first worker failure: the sender watches it, so a lost peer stops the
-        # broadcast in seconds rather than at the epoch deadline.
-        self.failed = threading.Event()
-        for i, w in enumerate(fleet._workers):
-            call = w.stub.UpdateWeights(request, timeout=timeout_s, metadata=w.metadata)
-            self._calls[i] = call
-            threading.Thread(target=self._consume, args=(i, w, call), daemon=True,
-                             name=f"epoch-v{version}-{i}").start()
-
-    def _consume(self, i: int, w: _Worker, call) -> None:
-        try:
-            for msg in call:
-                with self._changed:
-                    if msg.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:
-                        self._accepted[i] = True
-                    elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
-                        self.buckets_applied[i] = msg.bucket_index + 1
-                    elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_COMMITTED:
-                        self._committed[i] = msg
-                    self._changed.notify_all()
-                if self._on_progress and msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
-                    self._on_progress(w.endpoint.instance_id, msg.bucket_index, msg.bucket_count)
-            if self._committed[i] is None:
-                raise RuntimeError("stream ended without COMMITTED")
-        except grpc.RpcError as e:
-            with self._changed:
-                self._failures[i] = failure_from_rpc(w.endpoint, e)
-                self._accepted_before_failure[i] = self._accepted[i]
-        except Exception as e:  # noqa: BLE001  (reported as a failure of this worker)
-            with self._changed:
-                self._failures[i] = WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
-                                                  grpc.StatusCode.UNKNOWN, "DRIVER_ERROR", str(e))
-        finally:
-            with self._changed:
-                if self._failures[i] is not None:
-                    self.failed.set()
-                self._done[i].set()
-                self._changed.notify_all()
-
-    def wait_accepted(self, timeout_s: float | None = None) -> None:
-        """Block until every worker said ACCEPTED. Raises EpochRefusedError (after aborting the
-        fleet) if any refused, FleetTimeoutError if any stays silent past the timeout."""
-        end = min(self._deadline_at, time.monotonic() + (timeout_s or float("inf")))
-        with self._changed:
-            while True:
-                refused = [f for f in self._failures if f is not None]
-                if refused:
-                    break
-                if all(self._accepted):
-                    return
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(min(left, 0.5))
-        refused = [f for f in self._failures if f is not None]
-        silent = [self._fleet._workers[i].endpoint for i, a in enumerate(self._accepted)
-                  if not a and self._failures[i] is None]
-        self.abort(f"epoch {self.version} refused")
-        self._settle(2.0)
-        refused = [f for f in self._failures_so_far()
-                   if f.instance_id in {r.instance_id for r in refused}]
-        if refused:
-            raise EpochRefusedError(f"epoch {self.version} refused before any byte moved",
-                                    refused, reason=refused[0].reason)
-        raise FleetTimeoutError(
-            f"epoch {self.version}: no ACCEPTED within the deadline",
-            [WorkerFailure(e.instance_id, e.address, grpc.StatusCode.DEADLINE_EXCEEDED,
-                           "ACCEPT_TIMEOUT", "no ACCEPTED") for e in silent])
-
-    def result(self, timeout_s: float | None = None) -> list[pb.UpdateWeightsResponse]:
-        """Block until every worker COMMITTED; raise EpochFailedError naming each failure.
-
-        The first failure aborts the fleet at once: survivors blocked in a collective with a dead
-        peer would otherwise wait out their whole deadline.
-        """
-        end = min(self._deadline_at + 2.0, time.monotonic() + (timeout_s or float("inf")))
-        with self._changed:
-            while not all(ev.is_set() for ev in self._done):
-                if any(f is not None for f in self._failures):
-                    break
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(min(left, 0.5))
-        if all(ev.is_set() for ev in self._done) and not any(self._failures):
-            return list(self._committed)  # type: ignore[arg-type]
-        self.abort(f"epoch {self.version} failed")
-        self._settle(5.0)
-        self.cancel()
-        failures = self._failures_so_far()
-        failed_ids = {f.instance_id for f in failures}
-        unfinished = [self._fleet._workers[i].endpoint for i, ev in enumerate(self._done)
-                      if not ev.is_set() and self._fleet._workers[i].endpoint.instance_id
-                      not in failed_ids]
-        failures += [WorkerFailure(e.instance_id, e.address, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   "COMMIT_TIMEOUT", "no COMMITTED within the deadline")
-                     for e in unfinished]
-        cls = FleetTimeoutError if unfinished and len(failures) == len(unfinished) \
-            else EpochFailedError
-        raise cls(f"epoch {self.version} failed", _root_causes_first(failures))
-
-    def abort(self, reason: str) -> None:
-        """Abort the fleet once for this epoch (every later call is a no-op)."""
-        if not self._aborted:
-            self._aborted = True
-            answers = self._fleet.abort(reason)
-            # A shim that cannot even answer Abort (frozen, partitioned, dead) is the likeliest
-            # cause when every stream merely timed out: it is named first.
-            self._unresponsive = {i for i, a in enumerate(answers) if a is None}
-
-    def _failures_so_far(self) -> list[WorkerFailure]:
-        out = []
-        for i, f in enumerate(self._failures):
-            if f is None:
-                continue
-            if i in self._unresponsive:
-                f = WorkerFailure(f.instance_id, f.address, grpc.StatusCode.UNAVAILABLE,
-                                  "UNRESPONSIVE", f"did not answer Abort; stream: {f.reason}: "
-                                  f"{f.message}")
-            out.append(f)
-        return out
-
-    def cancel(self) -> None:
-        for call in self._calls:
-            if call is not None:
-                call.cancel()
-
-    def _settle(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        for ev in self._done:
-            ev.wait(max(end - time.monotonic(), 0))
-
-
-def _root_causes_first(failures: list[WorkerFailure]) -> list[WorkerFailure]:
-    """Order failures so the cause leads: a worker that vanished or failed on its own, then
-    workers whose collective broke because a peer went away, then those our Abort cancelled."""
-
-    def rank(f: WorkerFailure) -> int:
-        if f.code == grpc.StatusCode.UNAVAILABLE:
-            return 0
-        if f.code != grpc.StatusCode.ABORTED:
-            return 1 if f.reason != "COMMIT_TIMEOUT" else 4
-        return 2 if f.reason == "COLLECTIVE_FAILED" else 3
-
-    return sorted(failures, key=rank)
-
-
-@dataclass
-class TrainerLink:
-    """The trainer rank 0 side of a joined group: what `refit()` broadcasts through."""
-
-    group: Group
-    plan: RefitPlan
-    sender: Sender = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.sender = Sender(self.group, self.plan)
-
-    def close(self) -> None:
-        self.group.close()
 
 
 class Fleet:
@@ -316,9 +105,14 @@ class Fleet:
         self.abort_timeout_s = abort_timeout_s
         self.security = security or ChannelSecurity()
         self._packing = packing
-        self._workers = [_Worker(e, self.security) for e in self.endpoints]
+        self._channels = [self.security.open(e.address) for e in self.endpoints]
+        self._workers = [WorkerLink(e, pb_grpc.RefitServiceStub(c), self.security.metadata())
+                         for e, c in zip(self.endpoints, self._channels)]
         self._pool = ThreadPoolExecutor(max_workers=min(64, 2 * len(self._workers) + 4),
                                         thread_name_prefix="fleet")
+        self._epochs: list[EpochHandle] = []
+        self._epochs_lock = threading.Lock()
+        self._closed = False
         self._plan: RefitPlan | None = None
         self._group_id: str | None = None
         self._joined_instances: tuple[str, ...] | None = None
@@ -352,8 +146,16 @@ class Fleet:
 
     @property
     def sender_spec(self) -> Packing:
-        """The packing contract, negotiated: the configured one, or what every shim offers (they
-        must agree; a silent mismatch would make receivers mis-split bytes)."""
+        """The packing contract: the configured one, or the one `negotiate_packing()` (which
+        `prepare()` calls) agreed with the shims. No I/O: before either, this raises."""
+        if self._packing is None:
+            raise RuntimeError("the packing is not known yet: pass packing= to Fleet, or call "
+                               "prepare() or negotiate_packing() first")
+        return self._packing
+
+    def negotiate_packing(self) -> Packing:
+        """The configured packing, or the one every shim offers (Describe): they must agree, or
+        receivers would mis-split bytes silently."""
         if self._packing is None:
             offers = {(d.packing.buffer_size_bytes, d.packing.num_buffers)
                       for d in self.describe(weights_digest=False)}
@@ -372,7 +174,7 @@ class Fleet:
         """Store the plan on every shim; `{name: (shape, dtype)}` in packing order."""
         if state_dict_info is None:
             raise ValueError("state_dict_info is None")
-        plan = RefitPlan.from_state_dict_info(state_dict_info, self.sender_spec)
+        plan = RefitPlan.from_state_dict_info(state_dict_info, self.negotiate_packing())
         request = pb.PrepareRequest(
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=DTYPE_TO_PROTO[s.dtype])
                      for s in plan.tensors],
@@ -380,11 +182,12 @@ class Fleet:
                                num_buffers=plan.packing.num_buffers))
         answers = self._unary_all("Prepare", lambda w: request, "prepare failed")
         bad = [WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
-                             grpc.StatusCode.FAILED_PRECONDITION, "PLAN_DIGEST_MISMATCH",
+                             grpc.StatusCode.FAILED_PRECONDITION, Reason.PLAN_DIGEST_MISMATCH,
                              f"shim computed {a.plan_digest[:16]}, driver {plan.digest[:16]}")
                for w, a in zip(self._workers, answers) if a.plan_digest != plan.digest]
         if bad:
-            raise FleetError("shims disagree on the plan digest", bad, reason="PLAN_DIGEST_MISMATCH")
+            raise FleetError("shims disagree on the plan digest", bad,
+                             reason=Reason.PLAN_DIGEST_MISMATCH)
         self._plan = plan
         return plan
 
@@ -412,7 +215,7 @@ class Fleet:
         self._group_id = group_id
         return futures
 
-    def _join_one(self, w: _Worker, request) -> pb.InitCollectiveResponse:
+    def _join_one(self, w: WorkerLink, request) -> pb.InitCollectiveResponse:
         last = None
         try:
             for msg in w.stub.InitCollective(request, timeout=self.join_timeout_s,
@@ -425,16 +228,33 @@ class Fleet:
             raise FleetError("InitCollective ended without JOINED", [])
         return last
 
-    def connect(self, ip: str, port: int, *, train_world_size: int = 1) -> TrainerLink:
-        """Form the group: every shim joins and this process joins as trainer rank 0."""
+    def connect(self, ip: str, port: int, *, train_world_size: int = 1,
+                device: torch.device | int | None = None) -> TrainerLink:
+        """Form the group: every shim joins (InitCollective) and this process joins as trainer
+        rank 0, through the project's own group (gloo) or vLLM's NCCL rendezvous (nccl; `device`
+        is the GPU to send from)."""
         if train_world_size != 1:
             raise InvalidArgumentError("connect() joins as the only trainer rank; with several "
                                        "trainer ranks call init_collective() and join each rank")
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            # Before any shim is asked to join: they would wait for a rank 0 that never comes.
+            raise InvalidArgumentError("backend nccl needs CUDA in the trainer",
+                                       reason=Reason.BACKEND_UNAVAILABLE)
+        if self._plan is None:
+            raise RuntimeError("prepare() must be called before connect()")
         world = train_world_size + self.inference_world_size
         futures = self.init_collective(ip, port, world, train_world_size=train_world_size)
+        plan = self._plan
         try:
-            group = Group.join(GroupSpec(ip, port, world, 0, self.backend, self._group_id),
-                               self.join_timeout_s)
+            if self.backend == "nccl":
+                from refit_grpc.driver.nccl import NcclLink, NcclSender
+
+                link: TrainerLink = NcclLink(NcclSender.connect(ip, port, world, plan,
+                                                                self.join_timeout_s, device))
+            else:
+                link = GlooLink(Group.join(GroupSpec(ip, port, world, 0, self.backend,
+                                                     self._group_id or ""),
+                                           self.join_timeout_s), plan)
         except RefitError as e:
             self.abort("trainer failed to join")
             failures = self._collect(futures, 5.0)
@@ -442,10 +262,10 @@ class Fleet:
                              reason=e.reason) from e
         failures = self._collect(futures, self.join_timeout_s)
         if failures:
-            group.close()
+            link.close()
             self.abort("join failed")
             raise FleetError("InitCollective failed", failures, reason=failures[0].reason)
-        return TrainerLink(group, self._plan)
+        return link
 
     def update_weights(self, version: int | None = None,
                        pause_mode: PauseMode = PauseMode.KEEP,
@@ -461,7 +281,14 @@ class Fleet:
         request = pb.UpdateWeightsRequest(version=version, plan_digest=self._plan.digest,
                                           group_id=self._group_id,
                                           pause_mode=PAUSE_MODE_TO_PROTO[pause_mode])
-        return EpochHandle(self, version, request, self.epoch_timeout_s, on_progress)
+        if self._closed:
+            raise RuntimeError("the fleet is closed")
+        handle = EpochHandle(self._workers, version, request, self.epoch_timeout_s, self.abort,
+                             on_progress)
+        with self._epochs_lock:
+            # Finished epochs are dropped here, so a long run keeps only the open ones.
+            self._epochs = [e for e in self._epochs if not e.closed] + [handle]
+        return handle
 
     def refit(self, link: TrainerLink, tensors: Mapping[str, torch.Tensor],
               version: int | None = None, *, flush: bool = True,
@@ -478,8 +305,7 @@ class Fleet:
             link.close()  # the shims tore their ends down; this group is finished
             self._group_id = None
             raise
-        deadline = Deadline(max(handle._deadline_at - time.monotonic(), 0.001),
-                            cancel=handle.failed)
+        deadline = handle.send_deadline()
         try:
             stats = link.sender.send(tensors, deadline)
         except RefitError as e:
@@ -535,8 +361,14 @@ class Fleet:
         return out
 
     def close(self) -> None:
-        for w in self._workers:
-            w.channel.close()
+        """End every open epoch (its streams cancelled, its threads joined), then the channels."""
+        self._closed = True
+        with self._epochs_lock:
+            epochs, self._epochs = self._epochs, []
+        for epoch in epochs:
+            epoch.close()
+        for channel in self._channels:
+            channel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Fleet:
@@ -547,7 +379,7 @@ class Fleet:
 
     # --- plumbing --------------------------------------------------------------------------
 
-    def _call(self, w: _Worker, method: str, request):
+    def _call(self, w: WorkerLink, method: str, request):
         """One unary call with a deadline, retried on UNAVAILABLE (exponential backoff, jitter)."""
         retry = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_unavailable),
@@ -587,18 +419,21 @@ class Fleet:
                     e.reason, e.message)]
             except TimeoutError:
                 failures.append(WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
-                                              grpc.StatusCode.DEADLINE_EXCEEDED, "JOIN_TIMEOUT",
+                                              grpc.StatusCode.DEADLINE_EXCEEDED,
+                                              Reason.JOIN_TIMEOUT,
                                               "no JOINED in time"))
         return failures
 
     def _check_membership(self, describe: bool) -> None:
-        """Invariant 5: refuse a fleet whose membership changed since InitCollective."""
+        """Refuse a fleet whose membership changed since InitCollective (docs/protocol.md,
+        invariant 5)."""
         if self.validate_workers is not None:
             original = [{"instance_id": e.instance_id, "address": e.address}
                         for e in self.endpoints]
             current = self.validate_workers([dict(m) for m in original])
             changed = [WorkerFailure(str(c.get("instance_id")), str(c.get("address")),
-                                     grpc.StatusCode.FAILED_PRECONDITION, "MEMBERSHIP_CHANGED",
+                                     grpc.StatusCode.FAILED_PRECONDITION,
+                                     Reason.MEMBERSHIP_CHANGED,
                                      "validate_workers reported a change")
                        for o, c in zip(original, current) if dict(o) != dict(c)]
             if len(current) != len(original) or changed:

@@ -15,17 +15,14 @@ from pathlib import Path
 
 import grpc
 
-from refit_grpc.errors import RefitError
+from refit_grpc.errors import UnauthenticatedError
+from refit_grpc.reasons import Reason
+from refit_grpc.shim.status import status_for
 
 log = logging.getLogger(__name__)
 
 # Orchestrators probe health without credentials; everything else needs them.
 UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
-
-
-class UnauthenticatedError(RefitError, PermissionError):
-    code = grpc.StatusCode.UNAUTHENTICATED
-    default_reason = "UNAUTHENTICATED"
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -36,17 +33,17 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             raise ValueError("token auth needs non-empty tokens")
         self._tokens = [t.encode() for t in tokens]
 
-    def _allowed(self, metadata) -> tuple[bool, str]:
+    def _allowed(self, metadata) -> tuple[bool, Reason | None]:
         header = next((v for k, v in metadata or () if k == "authorization"), None)
         if header is None:
-            return False, "MISSING_TOKEN"
+            return False, Reason.MISSING_TOKEN
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
-            return False, "MALFORMED_TOKEN"
+            return False, Reason.MALFORMED_TOKEN
         ok = False
         for t in self._tokens:  # compare against all, so timing reveals nothing
             ok |= hmac.compare_digest(t, token.encode())
-        return ok, "" if ok else "INVALID_TOKEN"
+        return ok, None if ok else Reason.INVALID_TOKEN
 
     def intercept_service(self, continuation: Callable, handler_call_details):
         if handler_call_details.method.startswith(UNAUTHENTICATED_PREFIXES):
@@ -60,9 +57,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         return _denying(handler, reason)
 
 
-def _denying(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    from refit_grpc.shim.service import status_for
-
+def _denying(handler: grpc.RpcMethodHandler, reason: Reason) -> grpc.RpcMethodHandler:
     status = status_for(UnauthenticatedError(
         "missing or invalid bearer token (metadata 'authorization: Bearer <token>')",
         reason=reason))

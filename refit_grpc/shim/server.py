@@ -13,18 +13,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from refit_grpc.collective import Deadline
+from refit_grpc.common import MAX_MESSAGE_BYTES, Deadline
 from refit_grpc.errors import RefitError
 from refit_grpc.proto import pb, pb_grpc, ref_pb, ref_pb_grpc
 from refit_grpc.shim.engines.base import Engine
-from refit_grpc.shim.service import RefitServicer, ShimConfig, _status_on_error
+from refit_grpc.shim.service import RefitServicer, ShimConfig
+from refit_grpc.shim.status import status_on_error
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RefitService"].full_name
-# gRPC's default 4 MiB is plenty: control messages never carry weights. A plan of a million
-# tensors is ~60 MiB, so the limit is raised to what max_plan_tensors allows.
-MAX_MESSAGE_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ class ReferenceEngineServicer(ref_pb_grpc.ReferenceEngineServiceServicer):
         self.refit = refit
 
     def Generate(self, request, context):
-        with _status_on_error(context):
+        with status_on_error(context):
             remaining = context.time_remaining()
             deadline = Deadline(60.0 if remaining is None else min(remaining, 600.0))
             tokens, hit = self.engine.generate(list(request.prompt), request.max_new_tokens,

@@ -7,7 +7,8 @@ The state is derived, never stored, so it cannot drift from the facts it summari
     READY      plan + joined data group
     PREPARED   plan, no group
 Transitions are checked under one lock; the long parts (rendezvous, receive) run outside it,
-guarded by the `_busy` marker so no two of them overlap.
+marked by `Busy` so no two of them overlap. The invariants this upholds are listed, numbered, in
+docs/protocol.md.
 
 Refinement of the design: an epoch that fails before any byte reached the engine leaves the
 weights intact, so the engine is resumed and the shim returns to PREPARED (group torn down), not
@@ -16,6 +17,7 @@ BROKEN. That is what lets one worker's refusal abort the others without taking t
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import logging
 import os
@@ -26,13 +28,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
-
-from refit_grpc.collective import Deadline, GroupSpec
+from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
-    ERROR_DOMAIN,
     EngineUnavailableError,
     EpochAbortedError,
     FailedPreconditionError,
@@ -43,7 +40,9 @@ from refit_grpc.errors import (
 )
 from refit_grpc.plan import DTYPES, Packing, RefitPlan, TensorSpec
 from refit_grpc.proto import BACKEND_NAMES, DTYPE_FROM_PROTO, PAUSE_MODE_FROM_PROTO, pb, pb_grpc
-from refit_grpc.shim.engines.base import Engine, PauseMode
+from refit_grpc.reasons import Reason
+from refit_grpc.shim.engines.base import Engine
+from refit_grpc.shim.status import status_on_error
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +59,21 @@ class ShimConfig:
     # Masters the shim may join; a hostile caller must not point the engine at its own rendezvous.
     allowed_master_networks: Sequence[str] = ("127.0.0.0/8", "::1/128")
     instance_id: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+class Busy(enum.Enum):
+    """The long operation running outside the lock, if any."""
+
+    JOIN = "InitCollective"
+    EPOCH = "UpdateWeights"
+
+
+class ReceiveEvent(enum.Enum):
+    """What the receive thread hands to the UpdateWeights stream."""
+
+    BUCKET = "bucket"  # one bucket applied (value: the Bucket)
+    DONE = "done"      # every bucket applied and committed by the engine (value: its digest)
+    ERROR = "error"    # the receive failed (value: the RefitError)
 
 
 @dataclass
@@ -81,7 +95,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._weights_intact = True
         self._version = 0
         self._last_error = ""
-        self._busy: str | None = None  # "join" or "epoch" while one runs outside the lock
+        self._busy: Busy | None = None
         self._epoch: _Epoch | None = None
         self._join_deadline: Deadline | None = None
         self._shutting_down = False
@@ -121,13 +135,13 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     def _refuse_state(self, what: str, allowed: Sequence[State]) -> None:
         if self._shutting_down:
             raise EngineUnavailableError(f"{what} refused: the shim is shutting down",
-                                         reason="SHUTTING_DOWN")
+                                         reason=Reason.SHUTTING_DOWN)
         state = self._state_locked()
         if state not in allowed:
             names = ", ".join(pb.ShimState.Name(s) for s in allowed)
             raise FailedPreconditionError(
                 f"{what} refused in state {pb.ShimState.Name(state)} (allowed: {names})",
-                reason="WRONG_STATE")
+                reason=Reason.WRONG_STATE)
 
     @property
     def weight_version(self) -> int:
@@ -155,7 +169,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             )
 
     def Prepare(self, request, context):
-        with _status_on_error(context):
+        with status_on_error(context):
             plan = self._plan_from_request(request)
             plan.validate(self.config.max_plan_bytes, self.config.max_plan_tensors)
             self.engine.check_plan(plan)
@@ -163,8 +177,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 self._refuse_state("Prepare", [pb.SHIM_STATE_EMPTY, pb.SHIM_STATE_PREPARED,
                                                pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
                 if self._busy:
-                    raise FailedPreconditionError(f"Prepare refused while {self._busy} runs",
-                                                  reason="BUSY")
+                    raise FailedPreconditionError(f"Prepare refused while {self._busy.value} runs",
+                                                  reason=Reason.BUSY)
                 if self._plan is None or self._plan.digest != plan.digest:
                     # A new plan invalidates the group, which was formed against the old digest.
                     self._drop_group_locked()
@@ -177,11 +191,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     def InitCollective(self, request, context) -> Iterator:
         t0 = time.monotonic()
-        with _status_on_error(context):
+        with status_on_error(context):
             deadline = self._deadline(context, self.config.max_join_s)
             backend = BACKEND_NAMES.get(request.backend)
             if backend is None:
-                raise InvalidArgumentError("backend must be GLOO or NCCL", reason="INVALID_BACKEND")
+                raise InvalidArgumentError("backend must be GLOO or NCCL", reason=Reason.INVALID_BACKEND)
             self._check_master(request.master_address)
             spec = GroupSpec(request.master_address, request.master_port, request.world_size,
                              request.rank_offset, backend, request.group_id)
@@ -189,21 +203,22 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             self.engine.check_backend(backend)
             if request.rank_offset < 1:
                 raise InvalidArgumentError("rank_offset must be >= 1: rank 0 is the trainer",
-                                           reason="INVALID_RANK")
+                                           reason=Reason.INVALID_RANK)
             if request.rank_offset + self.engine.world_size > request.world_size:
                 raise InvalidArgumentError(
                     f"ranks [{request.rank_offset}, {request.rank_offset + self.engine.world_size})"
-                    f" do not fit world_size {request.world_size}", reason="INVALID_RANK")
+                    f" do not fit world_size {request.world_size}", reason=Reason.INVALID_RANK)
             with self._lock:
                 self._refuse_state("InitCollective", [pb.SHIM_STATE_PREPARED, pb.SHIM_STATE_READY,
                                                       pb.SHIM_STATE_BROKEN])
                 if self._busy:
-                    raise FailedPreconditionError(f"InitCollective refused while {self._busy} runs",
-                                                  reason="BUSY")
+                    raise FailedPreconditionError(
+                        f"InitCollective refused while {self._busy.value} runs",
+                        reason=Reason.BUSY)
                 self._check_digest(request.plan_digest)
                 plan = self._plan
                 self._drop_group_locked()
-                self._busy = "join"
+                self._busy = Busy.JOIN
                 self._join_deadline = deadline
             context.add_callback(deadline.cancel.set)  # a caller that goes away cancels the join
             try:
@@ -227,33 +242,33 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     def UpdateWeights(self, request, context) -> Iterator:
         t0 = time.monotonic()
-        with _status_on_error(context, self._record_error):
+        with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_epoch_s)
             if request.version < 1:
                 raise InvalidArgumentError(f"version must be >= 1, got {request.version}",
-                                           reason="INVALID_VERSION")
+                                           reason=Reason.INVALID_VERSION)
             mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
             with self._lock:
                 self._refuse_state("UpdateWeights", [pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
                 if self._busy:
-                    raise FailedPreconditionError(f"UpdateWeights refused while {self._busy} runs",
-                                                  reason="BUSY")
+                    raise FailedPreconditionError(f"UpdateWeights refused while {self._busy.value} runs",
+                                                  reason=Reason.BUSY)
                 if self._group is None:
                     raise FailedPreconditionError("no data group: call InitCollective first",
-                                                  reason="NO_GROUP")
+                                                  reason=Reason.NO_GROUP)
                 if request.version <= self._version:
                     raise FailedPreconditionError(
                         f"version {request.version} is not newer than applied {self._version}",
-                        reason="STALE_VERSION")
+                        reason=Reason.STALE_VERSION)
                 self._check_digest(request.plan_digest)
                 if request.group_id != self._group.group_id:
                     raise FailedPreconditionError(
                         f"group_id {request.group_id!r} != joined {self._group.group_id!r}",
-                        reason="GROUP_MISMATCH")
+                        reason=Reason.GROUP_MISMATCH)
                 plan = self._plan
                 epoch = _Epoch(request.version, deadline)
                 self._epoch = epoch
-                self._busy = "epoch"
+                self._busy = Busy.EPOCH
             # A caller that goes away (trainer crash) cancels the receive; the deadline is the
             # watchdog that ends it even when no cancellation ever arrives.
             context.add_callback(deadline.cancel.set)
@@ -279,9 +294,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                         kind, value = events.get(timeout=max(deadline.remaining(), 0.0) + 5.0)
                     except queue.Empty:
                         raise RefitTimeoutError("receive outlived its deadline") from None
-                    if kind == "error":
+                    if kind is ReceiveEvent.ERROR:
                         raise value
-                    if kind == "bucket":
+                    if kind is ReceiveEvent.BUCKET:
                         yield pb.UpdateWeightsResponse(
                             phase=pb.UPDATE_WEIGHTS_PHASE_PROGRESS, version=request.version,
                             bucket_index=value.index, bucket_count=len(plan.buckets),
@@ -320,25 +335,25 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     def _receive(self, plan: RefitPlan, epoch: _Epoch, events: queue.Queue) -> None:
         def on_bucket(bucket) -> None:
             epoch.bytes_applied += bucket.nbytes
-            events.put(("bucket", bucket))
+            events.put((ReceiveEvent.BUCKET, bucket))
 
         try:
             self.engine.receive(plan, epoch.deadline, on_bucket)
-            events.put(("done", self.engine.finish(epoch.version, epoch.deadline)))
+            events.put((ReceiveEvent.DONE, self.engine.finish(epoch.version, epoch.deadline)))
         except BaseException as e:  # relayed to the handler thread, which owns the status
             if epoch.deadline.cancel.is_set() and epoch.deadline.remaining() > 0:
                 # Whatever the teardown made the receive trip over, the cause is the abort.
                 why = f"Abort: {epoch.abort_reason}" if epoch.abort_reason else str(e)
                 e = EpochAbortedError(f"epoch {epoch.version} aborted ({why})",
-                                      reason="EPOCH_ABORTED")
+                                      reason=Reason.EPOCH_ABORTED)
             elif not isinstance(e, RefitError):
                 log.exception("receive failed")
                 e = EpochAbortedError(f"receive failed: {type(e).__name__}: {e}",
-                                      reason="RECEIVE_FAILED")
-            events.put(("error", e))
+                                      reason=Reason.RECEIVE_FAILED)
+            events.put((ReceiveEvent.ERROR, e))
 
     def Flush(self, request, context):
-        with _status_on_error(context):
+        with status_on_error(context):
             deadline = self._deadline(context, self.config.max_control_s)
             mode = _pause_mode(request.mode, PauseMode.WAIT)
             with self._lock:
@@ -346,12 +361,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 if state == pb.SHIM_STATE_BROKEN:
                     raise FailedPreconditionError(
                         "engine is BROKEN (a failed epoch left partial weights); refusing to "
-                        "resume until a full update commits", reason="BROKEN")
+                        "resume until a full update commits", reason=Reason.BROKEN)
                 self._refuse_state("Flush", [pb.SHIM_STATE_EMPTY, pb.SHIM_STATE_PREPARED,
                                              pb.SHIM_STATE_READY])
-                if self._busy == "epoch":
+                if self._busy is Busy.EPOCH:
                     raise FailedPreconditionError("Flush refused while an epoch runs",
-                                                  reason="BUSY")
+                                                  reason=Reason.BUSY)
             self.engine.pause(mode, deadline)
             cleared = self.engine.reset_cache(deadline)
             with self._lock:
@@ -408,22 +423,22 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     def _check_digest(self, digest: str) -> None:
         if not self._plan:
-            raise FailedPreconditionError("no plan prepared", reason="WRONG_STATE")
+            raise FailedPreconditionError("no plan prepared", reason=Reason.WRONG_STATE)
         if digest != self._plan.digest:
             raise FailedPreconditionError(
                 f"plan_digest {digest[:16]!r} != prepared {self._plan.digest[:16]!r}",
-                reason="PLAN_DIGEST_MISMATCH")
+                reason=Reason.PLAN_DIGEST_MISMATCH)
 
     def _check_master(self, address: str) -> None:
         try:
             ip = ipaddress.ip_address(address)
         except ValueError:
             raise InvalidArgumentError(f"master_address {address!r} is not an IP address",
-                                       reason="INVALID_MASTER_ADDRESS") from None
+                                       reason=Reason.INVALID_MASTER_ADDRESS) from None
         if not any(ip in net for net in self._networks):
             raise FailedPreconditionError(
                 f"master_address {address} is outside the allowed networks "
-                f"{[str(n) for n in self._networks]}", reason="MASTER_NOT_ALLOWED")
+                f"{[str(n) for n in self._networks]}", reason=Reason.MASTER_NOT_ALLOWED)
 
     def _drop_group_locked(self) -> None:
         if self._group is not None:
@@ -438,7 +453,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             if dtype is None:
                 raise InvalidPlanError(
                     f"tensor {i} ({t.name!r}): dtype {t.dtype} is not one of "
-                    f"{sorted(DTYPES)}", reason="UNSUPPORTED_DTYPE")
+                    f"{sorted(DTYPES)}", reason=Reason.UNSUPPORTED_DTYPE)
             specs.append(TensorSpec(t.name, tuple(t.shape), dtype))
         if request.HasField("packing"):
             packing = Packing(request.packing.buffer_size_bytes, request.packing.num_buffers)
@@ -451,7 +466,7 @@ def _pause_mode(value: int, default: PauseMode) -> PauseMode:
     if value == pb.PAUSE_MODE_UNSPECIFIED:
         return default
     if value not in PAUSE_MODE_FROM_PROTO:
-        raise InvalidArgumentError(f"unknown pause mode {value}", reason="INVALID_PAUSE_MODE")
+        raise InvalidArgumentError(f"unknown pause mode {value}", reason=Reason.INVALID_PAUSE_MODE)
     return PAUSE_MODE_FROM_PROTO[value]
 
 
@@ -459,31 +474,4 @@ def _packing_pb(p: Packing):
     return pb.Packing(buffer_size_bytes=p.buffer_size_bytes, num_buffers=p.num_buffers)
 
 
-def status_for(err: RefitError) -> grpc.Status:
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN)
-    st = status_pb2.Status(code=err.code.value[0], message=err.message)
-    st.details.add().Pack(info)
-    return rpc_status.to_status(st)
-
-
-class _status_on_error:
-    """Turns a RefitError raised in a handler into its gRPC status with an ErrorInfo reason."""
-
-    def __init__(self, context, on_error=None):
-        self.context = context
-        self.on_error = on_error
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is None or not isinstance(exc, RefitError):
-            return False
-        if self.on_error is not None:
-            self.on_error(exc)
-        log.info("refused: %s/%s: %s", exc.code.name, exc.reason, exc.message)
-        self.context.abort_with_status(status_for(exc))
-        return False
-
-
-__all__ = ["RefitServicer", "ShimConfig", "status_for"]
+__all__ = ["Busy", "RefitServicer", "ShimConfig"]

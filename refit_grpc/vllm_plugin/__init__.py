@@ -9,29 +9,20 @@ only in a worker that vLLM started with `--weight-transfer-config '{"backend": "
 `register()` is idempotent, never raises (a plugin that raises is logged by vLLM and skipped, but
 there is no reason to make it try), and costs one dictionary lookup when vLLM is absent.
 
-The sender side is the project's own: `refit_grpc.collective.Sender` behind `Fleet.refit` for gloo,
-`refit_grpc.vllm_plugin.nccl_sender` for vLLM's own `nccl` backend.
+Only code that runs inside vLLM lives here. The trainer's side is the driver's (`Fleet.connect` and
+`Fleet.refit`, with `refit_grpc.driver.nccl` for vLLM's own `nccl` backend); what the routes take is
+`refit_grpc.vllm_info`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 
 BACKEND = "gloo"
 ENGINE_MODULE = "refit_grpc.vllm_plugin.engine"
 ENGINE_CLASS = "RefitGlooWeightTransferEngine"
 
 log = logging.getLogger("vllm.refit_grpc")  # under "vllm" so vLLM's log handlers print it
-
-# A failed update's error starts with this marker: A of B buckets reached the model. The worker
-# raises it (engine.py); the shim reads it back out of vLLM's HTTP 500 body. With A == 0 the
-# rollback restored every layer, so the engine still holds the old weights.
-APPLIED_RE = re.compile(r"refit_grpc\[applied=(\d+)/(\d+)\]")
-
-
-def applied_marker(applied: int, total: int) -> str:
-    return f"refit_grpc[applied={applied}/{total}]"
 
 
 def register() -> None:

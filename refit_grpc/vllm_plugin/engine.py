@@ -41,7 +41,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from refit_grpc.collective import Deadline, Group, GroupSpec, receive
+from refit_grpc.collective import Group, receive
+from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.plan import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_NUM_BUFFERS,
@@ -51,7 +52,7 @@ from refit_grpc.plan import (
     TensorSpec,
     dtype_from_name,
 )
-from refit_grpc.vllm_plugin import applied_marker
+from refit_grpc.vllm_info import applied_marker
 
 log = logging.getLogger("vllm.refit_grpc")
 
@@ -273,7 +274,7 @@ def _owned(spec: TensorSpec, raw: torch.Tensor) -> torch.Tensor:
 
 class _AbortWatcher:
     """Polls the trainer's TCPStore for an abort key and sets the receive's cancel flag; the
-    receive's waits notice it within 50 ms (`collective._CANCEL_POLL_S`)."""
+    receive's waits notice it within 50 ms (`common.CANCEL_POLL_S`)."""
 
     POLL_S = 0.1
 

@@ -1,6 +1,6 @@
 """Support for the tests that run a real vLLM engine: the model, the server, the trainer's side.
 
-The model builder and the server launcher are the demo's (`refit_grpc.demo_vllm`), so the tests
+The model builder and the server launcher are the demo's (`refit_grpc.testing.vllm`), so the tests
 and `make demo-vllm` start vLLM the same way. What is added here is test plumbing: a skip with a
 stated reason when vLLM is not installed, one model directory per test session, and a registry of
 every server started so that each module's teardown can prove none of their processes survived.
@@ -34,7 +34,7 @@ def tiny_model_dir() -> Path:
     """The tiny Llama + tokenizer, built once per test session into a temporary directory."""
     global _model_dir
     if _model_dir is None:
-        from refit_grpc.demo_vllm import build_tiny_llama
+        from refit_grpc.testing.vllm import build_tiny_llama
 
         root = Path(tempfile.mkdtemp(prefix="refit-vllm-tests-"))
         atexit.register(shutil.rmtree, root, True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from refit_grpc.demo_vllm import VLLMServer
+from refit_grpc.testing.vllm import VLLMServer
 
 
 class ServerPool:

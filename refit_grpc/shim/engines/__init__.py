@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from refit_grpc.shim.engines.base import Engine, EngineStatus, PauseMode
+from refit_grpc.common import PauseMode
+from refit_grpc.shim.engines.base import Engine, EngineStatus
 
 _FACTORIES: dict[str, Callable[..., Engine]] = {}
 

@@ -1,27 +1,27 @@
 """The one interface every engine behind a shim implements.
 
 The shim owns the protocol (state machine, validation, deadlines); an engine only knows how to do
-each local step. Every blocking method takes a `Deadline` and must return or raise by then.
+each local step. Every blocking method takes a `Deadline` and must return or raise (a typed
+`RefitError`) by then; none may block past it. `tests/test_engine_contract.py` runs the same
+contract against every engine.
+
+Thread safety: the shim calls `status()` from its health watcher and from Describe while an epoch
+runs on another thread, and `abort_transfer()` from any thread at any time. Each engine guards
+its own shared state with its own lock.
 """
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from refit_grpc.collective import Deadline, GroupSpec
+from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import InvalidArgumentError
 from refit_grpc.plan import Bucket, Packing, RefitPlan
-
-
-class PauseMode(enum.Enum):
-    KEEP = "keep"    # in-flight requests are suspended and continue after resume
-    WAIT = "wait"    # in-flight requests finish first
-    ABORT = "abort"  # in-flight requests are aborted
+from refit_grpc.reasons import Reason
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,19 @@ class EngineStatus:
 
 class Engine(ABC):
     kind: str = "abstract"
-    world_size: int = 1
     offered_packing: Packing = Packing()
-    # True when a failed receive may have overwritten weights without reporting a bucket (an
-    # engine whose receive is one opaque call): the shim then treats any failure as BROKEN.
-    partial_on_failure: bool = False
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Ranks this engine takes in the data group (TP x PP x DP of its workers)."""
+
+    @property
+    @abstractmethod
+    def partial_on_failure(self) -> bool:
+        """True when a failed receive may have overwritten weights without reporting a bucket
+        (an engine whose receive is one opaque call): the shim then treats any failure of the
+        epoch as BROKEN instead of trusting that no bucket means no change."""
 
     @abstractmethod
     def status(self, with_digest: bool = False) -> EngineStatus:
@@ -48,13 +56,22 @@ class Engine(ABC):
         """Raise InvalidPlanError if the plan names tensors the engine cannot load."""
 
     @abstractmethod
-    def pause(self, mode: PauseMode, deadline: Deadline) -> None: ...
+    def pause(self, mode: PauseMode, deadline: Deadline) -> None:
+        """Stop generation so weights may change; returns once no forward step runs.
+
+        KEEP parks in-flight requests (they continue after resume), WAIT lets them finish first,
+        ABORT fails them. New requests wait while paused. Pausing a paused engine is a no-op
+        (a WAIT drain then has nothing left to wait for)."""
 
     @abstractmethod
-    def resume(self, deadline: Deadline) -> None: ...
+    def resume(self, deadline: Deadline) -> None:
+        """Serve again (parked requests continue). Resuming a running engine is a no-op. The
+        shim never resumes an engine whose weights may be partial (BROKEN)."""
 
     @abstractmethod
-    def reset_cache(self, deadline: Deadline) -> bool: ...
+    def reset_cache(self, deadline: Deadline) -> bool:
+        """Clear the KV/prefix caches, which hold values computed with the old weights; True
+        once cleared. Called while paused, so no request can refill them meanwhile."""
 
     def check_backend(self, backend: str) -> None:
         """Refuse a backend this engine cannot join, before InitCollective says ACCEPTED.
@@ -63,7 +80,7 @@ class Engine(ABC):
         workers join elsewhere (vLLM) lets those workers decide."""
         if backend == "nccl" and not torch.cuda.is_available():
             raise InvalidArgumentError("backend nccl needs CUDA, which this engine's process "
-                                       "lacks", reason="BACKEND_UNAVAILABLE")
+                                       "lacks", reason=Reason.BACKEND_UNAVAILABLE)
 
     @abstractmethod
     def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:

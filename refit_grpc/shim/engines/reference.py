@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from refit_grpc.collective import Deadline, Group, GroupSpec, receive
+from refit_grpc.collective import Group, receive
+from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
     CollectiveError,
     EpochAbortedError,
@@ -25,7 +26,8 @@ from refit_grpc.errors import (
 )
 from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
 from refit_grpc.plan import Bucket, Packing, RefitPlan, TensorSpec, weights_digest
-from refit_grpc.shim.engines.base import Engine, EngineStatus, PauseMode
+from refit_grpc.reasons import Reason
+from refit_grpc.shim.engines.base import Engine, EngineStatus
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ class _PauseGate:
             while True:
                 if ticket != self._abort_generation:
                     raise EpochAbortedError("request aborted by pause(mode=abort)",
-                                            reason="REQUEST_ABORTED")
+                                            reason=Reason.REQUEST_ABORTED)
                 if not self.paused:
                     break
                 self._cond.wait(min(0.05, max(deadline.check("paused mid-request"), 0.0)))
@@ -111,24 +113,36 @@ class ReferenceEngine(Engine):
         self._gate = _PauseGate()
         self._prefix_cache: dict[tuple[int, ...], int] = {}
         self._cache_lock = threading.Lock()
+        # Guards the group, the plan, the digest cache and the receiving flag: status() runs
+        # on Describe and health threads while a receive runs on the epoch's thread.
+        self._lock = threading.Lock()
         self._group: Group | None = None
-        self._group_lock = threading.Lock()
         self._plan: RefitPlan | None = None
         self._digest: str | None = None
         self._receiving = False  # weights are mid-update: no digest of them is meaningful
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def partial_on_failure(self) -> bool:
+        return False  # every applied bucket is reported, so no bucket means no change
 
     # --- state -----------------------------------------------------------------------------
 
     def status(self, with_digest: bool = False) -> EngineStatus:
         digest = ""
-        if with_digest and not self._receiving:
-            # Hashing reads every byte, so it is done on demand (Describe) and cached until the
-            # weights change, never on the refit path.
-            digest = self._digest
-            if digest is None:
-                names = self._plan_order()
-                digest = weights_digest((n, self._weights[n]) for n in names) if names else ""
-                self._digest = digest
+        if with_digest:
+            with self._lock:
+                # Hashing reads every byte, so it is done on demand (Describe) and cached until
+                # the weights change, never on the refit path.
+                if not self._receiving:
+                    if self._digest is None:
+                        names = self._plan_order()
+                        self._digest = weights_digest(
+                            (n, self._weights[n]) for n in names) if names else ""
+                    digest = self._digest
         return EngineStatus(healthy=True, paused=self._gate.paused, weights_digest=digest)
 
     @property
@@ -148,11 +162,11 @@ class ReferenceEngine(Engine):
         for s in plan.tensors:
             have = self._weights.get(s.name)
             if have is None:
-                raise InvalidPlanError(f"engine has no tensor {s.name!r}", reason="UNKNOWN_TENSOR")
+                raise InvalidPlanError(f"engine has no tensor {s.name!r}", reason=Reason.UNKNOWN_TENSOR)
             if tuple(have.shape) != s.shape or have.dtype != s.dtype:
                 raise InvalidPlanError(
                     f"tensor {s.name!r}: engine has {tuple(have.shape)} {have.dtype}, plan says "
-                    f"{s.shape} {s.dtype}", reason="TENSOR_MISMATCH")
+                    f"{s.shape} {s.dtype}", reason=Reason.TENSOR_MISMATCH)
 
     # --- serving ---------------------------------------------------------------------------
 
@@ -172,14 +186,14 @@ class ReferenceEngine(Engine):
         """Greedy tokens, and whether the first one came from the prefix cache."""
         if self._model is None:
             raise FailedPreconditionError("store-mode engine has no model to generate with",
-                                          reason="NO_MODEL")
+                                          reason=Reason.NO_MODEL)
         if not prompt or max_new_tokens < 1:
             raise InvalidArgumentError("prompt must be non-empty and max_new_tokens >= 1",
-                                       reason="INVALID_GENERATE_REQUEST")
+                                       reason=Reason.INVALID_GENERATE_REQUEST)
         vocab = self._model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidArgumentError(f"prompt tokens must be in [0, {vocab})",
-                                       reason="INVALID_TOKEN")
+                                       reason=Reason.INVALID_PROMPT_TOKEN)
         ticket = self._gate.admit(deadline)
         try:
             tokens, cached = list(prompt), False
@@ -208,26 +222,29 @@ class ReferenceEngine(Engine):
     def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:
         self.abort_transfer()
         group = Group.join(spec, deadline.check("rendezvous"))
-        with self._group_lock:
+        with self._lock:
             self._group = group
 
     def receive(self, plan: RefitPlan, deadline: Deadline,
                 on_bucket: Callable[[Bucket], None]) -> None:
-        with self._group_lock:
+        with self._lock:
             group = self._group
-        if group is None or group.closed:
-            raise CollectiveError("no data group; call InitCollective", reason="NO_GROUP")
-        if not self._gate.paused:
-            raise FailedPreconditionError("engine must be paused to receive", reason="NOT_PAUSED")
-        self._plan = plan
-        self._receiving = True
-        self._digest = None
-        try:
+            if group is None or group.closed:
+                raise CollectiveError("no data group; call InitCollective",
+                                      reason=Reason.NO_GROUP)
+            if not self._gate.paused:
+                raise FailedPreconditionError("engine must be paused to receive",
+                                              reason=Reason.NOT_PAUSED)
+            self._plan = plan
+            self._receiving = True
+            self._digest = None
             self._allocate(plan)
+        try:
             receive(group, plan, deadline, self._apply, on_bucket)
         finally:
-            self._digest = None
-            self._receiving = False
+            with self._lock:
+                self._digest = None
+                self._receiving = False
 
     def _allocate(self, plan: RefitPlan) -> None:
         for s in plan.tensors:
@@ -245,7 +262,7 @@ class ReferenceEngine(Engine):
         return ""
 
     def abort_transfer(self) -> None:
-        with self._group_lock:
+        with self._lock:
             group, self._group = self._group, None
         if group is not None:
             group.close()

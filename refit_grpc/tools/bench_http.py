@@ -16,9 +16,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from refit_grpc.collective import Deadline, GroupSpec
+from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.plan import Packing, RefitPlan
-from refit_grpc.shim.engines.base import PauseMode
 from refit_grpc.shim.engines.reference import ReferenceEngine
 
 

@@ -6,7 +6,6 @@ every worker holds exactly the trainer's weights (digest) and behaves like them 
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 
@@ -18,15 +17,9 @@ from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
 from refit_grpc.plan import Packing, weights_digest
 from refit_grpc.proto import ref_pb, ref_pb_grpc
 from refit_grpc.shim.process import ShimProcess, spawn_shim
+from refit_grpc.testing.ports import free_port
 
 PROMPT = [5, 17, 42, 9]
-
-
-def free_port() -> int:
-    """A port free on every address: the TCPStore master listens on all of them."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def toy_batch(cfg: TinyLMConfig, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:

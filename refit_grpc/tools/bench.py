@@ -20,10 +20,12 @@ import time
 
 import torch
 
-from refit_grpc.collective import Deadline, Group, GroupSpec, Sender, receive
+from refit_grpc.collective import Group, Sender, receive
+from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.driver import Fleet, WorkerEndpoint
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.shim.process import spawn_shim
+from refit_grpc.testing.ports import free_port
 
 
 def _tensors(total_mb: float, n: int) -> dict[str, torch.Tensor]:
@@ -45,17 +47,11 @@ def _raw_receiver(port: int, world: int, rank: int, total_mb: float, n: int, buf
     group.close()
 
 
-def _free_port() -> int:
-    from refit_grpc.demo import free_port
-
-    return free_port()
-
-
 def run_bench(workers: int = 2, total_mb: float = 64, tensors: int = 64,
               buffer_size_bytes: int = 16 << 20, reps: int = 5, out=sys.stdout) -> int:
     """Sets all three arms up side by side, then interleaves them rep by rep (raw, refit_grpc,
     HTTP-JSON, raw, ...) so background load hits every arm alike."""
-    from refit_grpc.bench_http import HttpFleet
+    from refit_grpc.tools.bench_http import HttpFleet
 
     weights = _tensors(total_mb, tensors)
     plan = RefitPlan.from_tensors(weights.items(), Packing(buffer_size_bytes, 2))
@@ -67,7 +63,7 @@ def run_bench(workers: int = 2, total_mb: float = 64, tensors: int = 64,
     shims = []
     try:
         # raw collective: receivers that only receive
-        raw_port = _free_port()
+        raw_port = free_port()
         procs += [subprocess.Popen([sys.executable, "-c", (
             "from refit_grpc.bench import _raw_receiver; "
             f"_raw_receiver({raw_port}, {world}, {r}, {total_mb}, {tensors}, {buffer_size_bytes}, "
@@ -81,7 +77,7 @@ def run_bench(workers: int = 2, total_mb: float = 64, tensors: int = 64,
         fleet = Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
                       packing=Packing(buffer_size_bytes, 2))
         fleet.prepare(plan.state_dict_info())
-        link = fleet.connect("127.0.0.1", _free_port())
+        link = fleet.connect("127.0.0.1", free_port())
 
         # HTTP-JSON: the seed's routes in front of the same engine
         http_servers = [subprocess.Popen([sys.executable, "-m", "refit_grpc.bench_http"],
@@ -89,7 +85,7 @@ def run_bench(workers: int = 2, total_mb: float = 64, tensors: int = 64,
                         for _ in range(workers)]
         procs += http_servers
         http = HttpFleet([f"http://127.0.0.1:{int(p.stdout.readline())}" for p in http_servers])
-        http_port = _free_port()
+        http_port = free_port()
         joins = http.init_collective(plan, http_port, world)
         http_group = Group.join(GroupSpec("127.0.0.1", http_port, world, 0, "gloo",
                                           "http-bench"), 60)

@@ -12,13 +12,13 @@ for this path only):
     rendezvous   StatelessProcessGroup.create(ip, port, rank=0, world_size) + PyNcclCommunicator
     wire         the plan's buckets (`RefitPlan.buckets`, vLLM's packing rule), packed by
                  `collective.pack_into`, one ncclBroadcast from rank 0 per bucket, in plan order
-    worker side  /init_weight_transfer_engine with `worker_init_info(...)`: packed=true and the
-                 plan's buffer size and count, so vLLM's consumer cuts the same buckets
+    worker side  /init_weight_transfer_engine with `vllm_info.init_info_for(...)`: packed=true
+                 and the plan's buffer size and count, so vLLM's consumer cuts the same buckets
 
 With a `Fleet(backend="nccl")` of shims in front of vLLM engines started with
-`--weight-transfer-config '{"backend": "nccl"}'`:
+`--weight-transfer-config '{"backend": "nccl"}'`, `Fleet.connect` joins through this module:
 
-    link = connect(fleet, my_ip, free_port)      # shims join (InitCollective), trainer joins
+    link = fleet.connect(my_ip, free_port)       # shims join (InitCollective), trainer joins
     fleet.refit(link, model.state_dict())        # same epochs, deadlines and aborts as gloo
 
 Every wait is bounded: the rendezvous runs on a helper thread joined with the join deadline, and
@@ -36,64 +36,21 @@ from typing import Any
 
 import torch
 
-from refit_grpc.collective import Deadline, Sender, TransferStats, pack_into
+from refit_grpc.collective import Sender, TransferStats, pack_into
+from refit_grpc.common import Deadline
 from refit_grpc.errors import (
     CollectiveError,
-    FleetError,
     InvalidArgumentError,
     RefitError,
     RefitTimeoutError,
 )
-from refit_grpc.plan import Bucket, Packing, RefitPlan, dtype_name
+from refit_grpc.plan import Bucket, RefitPlan
+from refit_grpc.reasons import Reason
 
 # The one key vLLM's PyNcclCommunicator exchanges through a StatelessProcessGroup: rank 0's
 # first broadcast_obj (the pickled ncclUniqueId). No prefix: the store is the group.
 UNIQUE_ID_KEY = "broadcast_from/0/0"
 _POLL_S = 0.002
-
-
-def worker_init_info(master_address: str, master_port: int, world_size: int, rank_offset: int,
-                     packing: Packing) -> dict[str, Any]:
-    """`init_info` for vLLM's `nccl` backend (`NCCLWeightTransferInitInfo`), TCP rendezvous mode,
-    carrying the plan's packing so the worker cuts the same buckets."""
-    return {
-        "master_address": master_address,
-        "master_port": int(master_port),
-        "rank_offset": int(rank_offset),
-        "world_size": int(world_size),
-        "packed": True,
-        "packed_buffer_size_bytes": int(packing.buffer_size_bytes),
-        "packed_num_buffers": int(packing.num_buffers),
-    }
-
-
-def worker_update_info(plan: RefitPlan) -> dict[str, Any]:
-    """`update_info` for vLLM's `nccl` backend (`NCCLWeightTransferUpdateInfo`)."""
-    return {"names": [s.name for s in plan.tensors],
-            "dtype_names": [dtype_name(s.dtype) for s in plan.tensors],
-            "shapes": [list(s.shape) for s in plan.tensors]}
-
-
-def misaligned(plan: RefitPlan) -> str | None:
-    """The first tensor vLLM's NCCL consumer could not unpack, or None. Its `unpack_tensor`
-    views each tensor in place in the bucket, which needs every tensor to start at a multiple of
-    its element size (an odd-sized int8 tensor before a float32 one breaks that); the project's
-    own receiver copies such tensors instead, so only this backend needs the check."""
-    for bucket in plan.buckets:
-        offset = 0
-        for spec in plan.tensors[bucket.start:bucket.stop]:
-            if offset % spec.dtype.itemsize:
-                return (f"tensor {spec.name!r} ({dtype_name(spec.dtype)}) would start at byte "
-                        f"{offset} of bucket {bucket.index}, not a multiple of "
-                        f"{spec.dtype.itemsize}")
-            offset += spec.nbytes
-    return None
-
-
-def worker_ranks(rank_offset: int, tp_pp_size: int, dp_size: int = 1) -> list[int]:
-    """The ranks one vLLM engine's workers take: `dp_index * (tp * pp) + rank + rank_offset`
-    (vLLM's `worker_init_process_group`)."""
-    return [dp * tp_pp_size + r + rank_offset for dp in range(dp_size) for r in range(tp_pp_size)]
 
 
 def open_rendezvous(master_address: str, master_port: int, world_size: int, timeout_s: float):
@@ -128,7 +85,7 @@ class NcclSender:
         """Join vLLM's NCCL rendezvous as rank 0; returns once the communicator is formed."""
         if not torch.cuda.is_available():
             raise InvalidArgumentError("vLLM's nccl backend needs CUDA in the trainer",
-                                       reason="BACKEND_UNAVAILABLE")
+                                       reason=Reason.BACKEND_UNAVAILABLE)
         dev = _cuda_device(device)
         box: dict[str, Any] = {}
 
@@ -153,19 +110,19 @@ class NcclSender:
             # ncclCommInitRank has no timeout of its own; the thread is left to the peers'
             # failure (their shims abort on the same deadline) and dies with the process.
             raise RefitTimeoutError(f"NCCL rendezvous at {where} did not complete within "
-                                    f"{timeout_s:.1f}s", reason="RENDEZVOUS_TIMEOUT")
+                                    f"{timeout_s:.1f}s", reason=Reason.RENDEZVOUS_TIMEOUT)
         if "error" in box:
             e = box["error"]
             text = str(e)
             if "timeout" in text.lower() or "timed out" in text.lower():
                 raise RefitTimeoutError(f"NCCL rendezvous at {where}: {text[:300]}",
-                                        reason="RENDEZVOUS_TIMEOUT") from e
+                                        reason=Reason.RENDEZVOUS_TIMEOUT) from e
             raise CollectiveError(f"NCCL rendezvous at {where} failed: {text[:300]}",
-                                  reason="RENDEZVOUS_FAILED") from e
+                                  reason=Reason.RENDEZVOUS_FAILED) from e
         comm = box["comm"]
         if getattr(comm, "disabled", False):
             raise CollectiveError("PyNcclCommunicator is disabled in this process (no NCCL "
-                                  "library, or VLLM_DISABLE_PYNCCL)", reason="BACKEND_UNAVAILABLE")
+                                  "library, or VLLM_DISABLE_PYNCCL)", reason=Reason.BACKEND_UNAVAILABLE)
         sender = cls(comm, plan, dev)
         sender.join_seconds = time.monotonic() - t0
         return sender
@@ -224,7 +181,7 @@ def _cuda_device(device: torch.device | int | str | None) -> torch.device:
 
 @dataclass
 class NcclLink:
-    """What `Fleet.refit` broadcasts through for vLLM's nccl backend (the TrainerLink surface)."""
+    """What `Fleet.refit` broadcasts through for vLLM's nccl backend (a `TrainerLink`)."""
 
     sender: NcclSender
 
@@ -234,36 +191,3 @@ class NcclLink:
 
     def close(self) -> None:
         self.sender.close()
-
-
-def connect(fleet, ip: str, port: int, *, device: torch.device | int | None = None) -> NcclLink:
-    """Form the group for `Fleet(backend="nccl")`: every shim joins (InitCollective, which posts
-    /init_weight_transfer_engine with `worker_init_info`) and this process joins as rank 0."""
-    if fleet.backend != "nccl":
-        raise InvalidArgumentError(f"fleet backend is {fleet.backend!r}; use Fleet.connect for "
-                                   "gloo, or Fleet(backend='nccl')", reason="INVALID_BACKEND")
-    if fleet.plan is None:
-        raise RuntimeError("prepare() must be called before connect()")
-    world = 1 + fleet.inference_world_size
-    futures = fleet.init_collective(ip, port, world, train_world_size=1)
-    try:
-        sender = NcclSender.connect(ip, port, world, fleet.plan, fleet.join_timeout_s, device)
-    except RefitError as e:
-        fleet.abort("trainer failed to join")
-        raise FleetError(f"trainer rank 0 could not join: {e}", [], reason=e.reason) from e
-    failures = []
-    end = time.monotonic() + fleet.join_timeout_s
-    for f in futures:
-        try:
-            f.result(timeout=max(end - time.monotonic(), 0.001))
-        except FleetError as e:
-            failures += e.failures
-        except TimeoutError:
-            failures.append(None)
-    if failures:
-        sender.close()
-        fleet.abort("join failed")
-        named = [f for f in failures if f is not None]
-        raise FleetError("InitCollective failed", named,
-                         reason=named[0].reason if named else "JOIN_TIMEOUT")
-    return NcclLink(sender)

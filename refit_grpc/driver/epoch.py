@@ -1,0 +1,246 @@
+"""One UpdateWeights epoch as the trainer sees it: a stream per worker, consumed on threads the
+epoch owns, and the two waits of the two-phase start (every ACCEPTED, then every COMMITTED)."""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from refit_grpc.common import Deadline
+from refit_grpc.driver.endpoint import WorkerEndpoint
+from refit_grpc.driver.failures import (
+    EpochFailedError,
+    EpochRefusedError,
+    FleetTimeoutError,
+    WorkerFailure,
+    failure_from_rpc,
+    root_causes_first,
+)
+from refit_grpc.proto import pb, pb_grpc
+from refit_grpc.reasons import Reason
+
+# (instance_id, bucket_index, bucket_count), called on the stream's thread after each bucket.
+ProgressCallback = Callable[[str, int, int], None]
+# Aborts every worker of the fleet; returns one answer per worker, None where none came.
+AbortFleet = Callable[[str], Sequence[object | None]]
+
+# How long an epoch waits for streams to settle after it aborted the fleet.
+_SETTLE_AFTER_REFUSAL_S = 2.0
+_SETTLE_AFTER_FAILURE_S = 5.0
+
+
+@dataclass(frozen=True)
+class WorkerLink:
+    """The stub to one shim, with the metadata (bearer token) every call carries."""
+
+    endpoint: WorkerEndpoint
+    stub: pb_grpc.RefitServiceStub
+    metadata: tuple[tuple[str, str], ...]
+
+
+class StreamPhase(enum.Enum):
+    """How far one worker's UpdateWeights stream has come."""
+
+    OPEN = "open"
+    ACCEPTED = "accepted"
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
+class EpochHandle:
+    """One UpdateWeights stream per worker, each consumed on a thread the epoch owns.
+
+    `close()` cancels every stream still open and joins the threads; `Fleet.close()` closes
+    every epoch it opened, so no thread outlives the fleet.
+    """
+
+    def __init__(self, workers: Sequence[WorkerLink], version: int,
+                 request: pb.UpdateWeightsRequest, timeout_s: float, abort_fleet: AbortFleet,
+                 on_progress: ProgressCallback | None = None):
+        self.version = version
+        self.started_at = time.monotonic()
+        self.deadline_at = self.started_at + timeout_s
+        self._workers = list(workers)
+        self._abort_fleet = abort_fleet
+        self._on_progress = on_progress
+        n = len(self._workers)
+        self._phase = [StreamPhase.OPEN] * n
+        self._accepted_ever = [False] * n
+        self._committed: list[pb.UpdateWeightsResponse | None] = [None] * n
+        self._failures: list[WorkerFailure | None] = [None] * n
+        self._done = [threading.Event() for _ in range(n)]
+        self._changed = threading.Condition()
+        self._aborted = False
+        self._unresponsive: set[int] = set()
+        # Buckets each worker reported applied (PROGRESS) so far in this epoch.
+        self.buckets_applied = [0] * n
+        # Set by the first worker failure: the sender watches it, so a lost peer stops the
+        # broadcast in seconds rather than at the epoch deadline.
+        self.failed = threading.Event()
+        self._calls = [w.stub.UpdateWeights(request, timeout=timeout_s, metadata=w.metadata)
+                       for w in self._workers]
+        self._threads = [threading.Thread(target=self._consume, args=(i, w, call), daemon=True,
+                                          name=f"epoch-v{version}-{i}")
+                         for i, (w, call) in enumerate(zip(self._workers, self._calls))]
+        for t in self._threads:
+            t.start()
+
+    # --- public surface ----------------------------------------------------------------------
+
+    def remaining(self) -> float:
+        """Seconds left before the epoch's deadline (negative once past)."""
+        return self.deadline_at - time.monotonic()
+
+    def send_deadline(self) -> Deadline:
+        """The sender's deadline: the epoch's, cancelled by the first worker failure."""
+        return Deadline(max(self.remaining(), 0.001), cancel=self.failed)
+
+    def phases(self) -> list[StreamPhase]:
+        with self._changed:
+            return list(self._phase)
+
+    def wait_accepted(self, timeout_s: float | None = None) -> None:
+        """Block until every worker said ACCEPTED. Raises EpochRefusedError (after aborting the
+        fleet) if any refused, FleetTimeoutError if any stays silent past the timeout."""
+        end = min(self.deadline_at, time.monotonic() + (timeout_s or float("inf")))
+        with self._changed:
+            while True:
+                if any(f is not None for f in self._failures):
+                    break
+                if all(self._accepted_ever):
+                    return
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(min(left, 0.5))
+            refused_ids = {f.instance_id for f in self._failures if f is not None}
+            silent = [self._workers[i].endpoint for i, a in enumerate(self._accepted_ever)
+                      if not a and self._failures[i] is None]
+        self.abort(f"epoch {self.version} refused")
+        self._settle(_SETTLE_AFTER_REFUSAL_S)
+        refused = [f for f in self._failures_so_far() if f.instance_id in refused_ids]
+        if refused:
+            raise EpochRefusedError(f"epoch {self.version} refused before any byte moved",
+                                    refused, reason=refused[0].reason)
+        raise FleetTimeoutError(
+            f"epoch {self.version}: no ACCEPTED within the deadline",
+            [WorkerFailure(e.instance_id, e.address, grpc.StatusCode.DEADLINE_EXCEEDED,
+                           Reason.ACCEPT_TIMEOUT, "no ACCEPTED") for e in silent])
+
+    def result(self, timeout_s: float | None = None) -> list[pb.UpdateWeightsResponse]:
+        """Block until every worker COMMITTED; raise EpochFailedError naming each failure.
+
+        The first failure aborts the fleet at once: survivors blocked in a collective with a dead
+        peer would otherwise wait out their whole deadline.
+        """
+        end = min(self.deadline_at + 2.0, time.monotonic() + (timeout_s or float("inf")))
+        with self._changed:
+            while not all(ev.is_set() for ev in self._done):
+                if any(f is not None for f in self._failures):
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(min(left, 0.5))
+            if all(ev.is_set() for ev in self._done) and not any(self._failures):
+                return [c for c in self._committed if c is not None]
+        self.abort(f"epoch {self.version} failed")
+        self._settle(_SETTLE_AFTER_FAILURE_S)
+        self.cancel()
+        failures = self._failures_so_far()
+        failed_ids = {f.instance_id for f in failures}
+        unfinished = [w.endpoint for w, ev in zip(self._workers, self._done)
+                      if not ev.is_set() and w.endpoint.instance_id not in failed_ids]
+        failures += [WorkerFailure(e.instance_id, e.address, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   Reason.COMMIT_TIMEOUT, "no COMMITTED within the deadline")
+                     for e in unfinished]
+        cls = FleetTimeoutError if unfinished and len(failures) == len(unfinished) \
+            else EpochFailedError
+        raise cls(f"epoch {self.version} failed", root_causes_first(failures))
+
+    def abort(self, reason: str) -> None:
+        """Abort the fleet once for this epoch (every later call is a no-op)."""
+        with self._changed:
+            if self._aborted:
+                return
+            self._aborted = True
+        answers = self._abort_fleet(reason)
+        # A shim that cannot even answer Abort (frozen, partitioned, dead) is the likeliest
+        # cause when every stream merely timed out: it is named first.
+        with self._changed:
+            self._unresponsive = {i for i, a in enumerate(answers) if a is None}
+
+    def cancel(self) -> None:
+        """Cancel every stream still open (the shims see their caller go away)."""
+        for call in self._calls:
+            call.cancel()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel what is still open and join the stream threads."""
+        self.cancel()
+        end = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(end - time.monotonic(), 0.0))
+
+    @property
+    def closed(self) -> bool:
+        return not any(t.is_alive() for t in self._threads)
+
+    # --- the streams -------------------------------------------------------------------------
+
+    def _consume(self, i: int, w: WorkerLink, call) -> None:
+        try:
+            for msg in call:
+                with self._changed:
+                    if msg.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:
+                        self._accepted_ever[i] = True
+                        self._phase[i] = StreamPhase.ACCEPTED
+                    elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
+                        self.buckets_applied[i] = msg.bucket_index + 1
+                    elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_COMMITTED:
+                        self._committed[i] = msg
+                        self._phase[i] = StreamPhase.COMMITTED
+                    self._changed.notify_all()
+                if self._on_progress and msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
+                    self._on_progress(w.endpoint.instance_id, msg.bucket_index, msg.bucket_count)
+            if self._committed[i] is None:
+                raise RuntimeError("stream ended without COMMITTED")
+        except grpc.RpcError as e:
+            with self._changed:
+                self._failures[i] = failure_from_rpc(w.endpoint, e)
+        except Exception as e:  # noqa: BLE001  (reported as a failure of this worker)
+            with self._changed:
+                self._failures[i] = WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
+                                                  grpc.StatusCode.UNKNOWN, Reason.DRIVER_ERROR,
+                                                  str(e))
+        finally:
+            with self._changed:
+                if self._failures[i] is not None:
+                    self._phase[i] = StreamPhase.FAILED
+                    self.failed.set()
+                self._done[i].set()
+                self._changed.notify_all()
+
+    def _failures_so_far(self) -> list[WorkerFailure]:
+        out = []
+        with self._changed:
+            failures, unresponsive = list(self._failures), set(self._unresponsive)
+        for i, f in enumerate(failures):
+            if f is None:
+                continue
+            if i in unresponsive:
+                f = WorkerFailure(f.instance_id, f.address, grpc.StatusCode.UNAVAILABLE,
+                                  Reason.UNRESPONSIVE, f"did not answer Abort; stream: "
+                                  f"{f.reason}: {f.message}")
+            out.append(f)
+        return out
+
+    def _settle(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        for ev in self._done:
+            ev.wait(max(end - time.monotonic(), 0))

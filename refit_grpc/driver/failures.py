@@ -1,0 +1,99 @@
+"""What went wrong, per worker and fleet-wide: decoding a shim's gRPC status into a
+`WorkerFailure`, and the fleet errors that name every failed worker with its reason."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from refit_grpc.driver.endpoint import WorkerEndpoint
+from refit_grpc.errors import Code, RefitError
+from refit_grpc.reasons import Reason
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    instance_id: str
+    address: str
+    code: grpc.StatusCode
+    reason: str  # a `Reason` when refit_grpc sent it; else the status code's name
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.instance_id}@{self.address}: {self.code.name}/{self.reason}: {self.message}"
+
+
+class FleetError(RefitError, RuntimeError):
+    """One or more workers failed a fleet call; `failures` names each with its reason."""
+
+    code = Code.ABORTED
+    default_reason = Reason.FLEET_CALL_FAILED
+
+    def __init__(self, message: str, failures: list[WorkerFailure], *,
+                 reason: Reason | str | None = None):
+        detail = "; ".join(str(f) for f in failures)
+        super().__init__(f"{message}: {detail}" if detail else message, reason=reason)
+        self.failures = failures
+
+    @property
+    def reasons(self) -> set[str]:
+        return {f.reason for f in self.failures}
+
+    @property
+    def workers(self) -> list[str]:
+        return [f.instance_id for f in self.failures]
+
+
+class EpochRefusedError(FleetError):
+    """At least one worker refused the epoch before any byte was broadcast."""
+
+    default_reason = Reason.EPOCH_REFUSED
+
+
+class EpochFailedError(FleetError):
+    """The epoch failed after the broadcast began; the fleet was aborted."""
+
+    default_reason = Reason.EPOCH_FAILED
+
+
+class FleetTimeoutError(FleetError, TimeoutError):
+    code = Code.DEADLINE_EXCEEDED
+    default_reason = Reason.DEADLINE_EXCEEDED
+
+
+def failure_from_rpc(endpoint: WorkerEndpoint, err: grpc.RpcError) -> WorkerFailure:
+    """A WorkerFailure with the ErrorInfo reason the shim attached (or the status code's name)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    reason = code.name
+    message = err.details() if hasattr(err, "details") else str(err)
+    try:
+        status = rpc_status.from_call(err)
+    except (ValueError, AttributeError):
+        status = None
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason = info.reason
+    known = Reason.__members__.get(reason)
+    return WorkerFailure(endpoint.instance_id, endpoint.address, code, known or reason,
+                         message or "")
+
+
+def root_causes_first(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
+    """Order failures so the cause leads: a worker that vanished or failed on its own, then
+    workers whose collective broke because a peer went away, then those our Abort cancelled."""
+
+    def rank(f: WorkerFailure) -> int:
+        if f.code == grpc.StatusCode.UNAVAILABLE:
+            return 0
+        if f.code != grpc.StatusCode.ABORTED:
+            return 1 if f.reason != Reason.COMMIT_TIMEOUT else 4
+        return 2 if f.reason == Reason.COLLECTIVE_FAILED else 3
+
+    return sorted(failures, key=rank)

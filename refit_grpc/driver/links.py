@@ -1,0 +1,59 @@
+"""The trainer's end of a joined data group: what `Fleet.refit` broadcasts through.
+
+`Fleet.connect` returns one of these; `Fleet.refit` accepts any object with this surface, so the
+project's gloo link and the link to vLLM's own NCCL receiver (`driver/nccl.py`) are used the same
+way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from refit_grpc.collective import Group, Sender, TransferStats
+from refit_grpc.common import Deadline
+from refit_grpc.plan import Bucket, RefitPlan
+
+
+@runtime_checkable
+class BucketSender(Protocol):
+    plan: RefitPlan
+
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse, before any byte moves, tensors that do not match the plan."""
+
+    def send(self, tensors: Mapping[str, torch.Tensor], deadline: Deadline,
+             on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
+        """Pack and broadcast every bucket of the plan; bounded by `deadline`."""
+
+
+@runtime_checkable
+class TrainerLink(Protocol):
+    """Trainer rank 0 of a formed group: a sender for the plan, and the way to tear it down."""
+
+    @property
+    def plan(self) -> RefitPlan: ...
+
+    @property
+    def sender(self) -> BucketSender: ...
+
+    def close(self) -> None:
+        """Tear the group down; peers' pending receives fail at once. Never blocks."""
+
+
+@dataclass
+class GlooLink:
+    """The project's own group (`collective.Group`, gloo or NCCL through torch) and its Sender."""
+
+    group: Group
+    plan: RefitPlan
+    sender: Sender = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sender = Sender(self.group, self.plan)
+
+    def close(self) -> None:
+        self.group.close()

@@ -1,0 +1,400 @@
+"""The vLLM engine: a vLLM OpenAI server on the same host, driven through its own admin routes.
+
+    refit-grpc shim --engine vllm --engine-url http://127.0.0.1:8000
+
+The receive is done by vLLM itself (its native weight-transfer engine: the project's `gloo`
+backend from `refit_grpc.vllm_plugin` on CPUs, vLLM's own `nccl` backend on GPUs); this module
+only translates the shim's engine calls into HTTP calls (standard library only):
+
+    status          GET /is_paused (the EngineCore answers it: alive and pause state), else
+                    GET /health; GET /get_world_size once
+    pause(mode)     POST /pause?mode=keep|wait|abort&clear_cache=true
+    resume          POST /resume
+    reset_cache     POST /reset_prefix_cache (retried while running requests still hold blocks)
+    init_transfer   POST /shutdown_weight_transfer_engine, then /init_weight_transfer_engine
+                    (rank offset, world size, packing, group id, a timeout from the deadline);
+                    blocks until the trainer's rank 0 has joined
+    receive         POST /start_weight_update, then /update_weights (blocks while the trainer
+                    broadcasts); `on_bucket` runs for every bucket once that call succeeded, since
+                    vLLM reports nothing per bucket (PROGRESS arrives in one burst)
+    finish(v)       POST /finish_weight_update {"weight_version": "v"}
+    abort_transfer  POST /shutdown_weight_transfer_engine on a background thread; a blocked
+                    /update_weights is told through the trainer's TCPStore (an abort key the
+                    gloo backend polls: vLLM runs worker RPCs one at a time, so no route can
+                    reach a worker inside a receive), answers within `abort_grace_s` with what
+                    it applied, or the shim stops waiting for it
+
+Rules:
+- every call is bounded (`http.py`: the timeout comes from the caller's Deadline; no answer at
+  the cap is UNAVAILABLE, at the deadline DEADLINE_EXCEEDED). Nothing here waits without a bound.
+- the engine's admin routes are unauthenticated (`--api-key` covers /v1 only), so the engine URL
+  must be loopback unless `allow_remote_engine=true`; the shim is the authenticated front door.
+- `partial_on_failure` is True whenever this process cannot prove the weights untouched: once
+  /start_weight_update has been accepted, unless the session was ended with nothing loaded, or
+  the project's gloo backend reported `refit_grpc[applied=0/N]` (it rolled every layer back).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from refit_grpc.common import Deadline, GroupSpec, PauseMode
+from refit_grpc.errors import (
+    EngineUnavailableError,
+    EpochAbortedError,
+    FailedPreconditionError,
+    InvalidPlanError,
+    RefitError,
+)
+from refit_grpc.plan import Bucket, Packing, RefitPlan
+from refit_grpc.reasons import Reason
+from refit_grpc.shim.engines.base import Engine, EngineStatus
+from refit_grpc.shim.engines.vllm.checkpoint import CheckpointIndex
+from refit_grpc.shim.engines.vllm.http import CallKind, EngineHttpClient, is_loopback
+from refit_grpc.vllm_info import APPLIED_RE, init_info_for, nccl_misalignment, update_info_for
+
+log = logging.getLogger(__name__)
+
+
+def _truthy(value: Any) -> bool:
+    """Engine options arrive as strings from `--engine-option key=value`."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+class VLLMEngine(Engine):
+    kind = "vllm"
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", packing: Packing = Packing(), *,
+                 request_timeout_s: float | str = 30.0, status_timeout_s: float | str = 2.0,
+                 abort_grace_s: float | str = 3.0, checkpoint_dir: str | None = None,
+                 check_names: bool | str = True, allow_remote_engine: bool | str = False):
+        self.request_timeout_s = float(request_timeout_s)
+        self.status_timeout_s = float(status_timeout_s)
+        self.abort_grace_s = float(abort_grace_s)
+        self._http = EngineHttpClient(url, request_timeout_s=self.request_timeout_s,
+                                      abort_grace_s=self.abort_grace_s)
+        if not is_loopback(self._http.host) and not _truthy(allow_remote_engine):
+            raise ValueError(
+                f"engine url {url!r} is not loopback: vLLM's admin routes are unauthenticated, "
+                "so the shim reaches its engine on loopback only (engine option "
+                "allow_remote_engine=true overrides)")
+        self.url = self._http.url
+        self.offered_packing = packing
+        self.checkpoint_dir = checkpoint_dir
+        self.check_names = _truthy(check_names)
+        self._lock = threading.Lock()
+        self._paused = False          # last known; /is_paused cannot answer during a weight RPC
+        self._busy = 0                # init/update calls in flight (the EngineCore is inside one)
+        self._world_size: int | None = None
+        self._backend = "gloo"
+        self._group: GroupSpec | None = None
+        self._receiving = False
+        self._touched = False         # weights may differ from the last committed version
+        self._shutdown_thread: threading.Thread | None = None
+        self._checkpoint: CheckpointIndex | None = None
+
+    # --- the engine interface --------------------------------------------------------------
+
+    @property
+    def partial_on_failure(self) -> bool:
+        with self._lock:
+            return self._receiving or self._touched
+
+    @property
+    def world_size(self) -> int:
+        if self._world_size is None:
+            self._refresh_world_size()
+        return self._world_size or 1
+
+    def status(self, with_digest: bool = False) -> EngineStatus:
+        # /is_paused is answered by the EngineCore itself, so an answer proves it alive: one
+        # request instead of two on the refit path. While a weight RPC runs, the EngineCore
+        # cannot answer it; /health (answered by the API server) decides then, or on failure.
+        if not self._busy:
+            try:
+                body = self._http.call("GET", "/is_paused", None, what="is_paused",
+                                       cap_s=self.status_timeout_s)
+                with self._lock:
+                    self._paused = bool(body["is_paused"])
+                if self._world_size is None:
+                    self._refresh_world_size()
+                return EngineStatus(healthy=True, paused=self._paused, weights_digest="")
+            except (RefitError, KeyError, TypeError):
+                pass
+        try:
+            healthy = self._http.roundtrip("GET", "/health", None, None, self.status_timeout_s,
+                                           "health", at_deadline=False).status == 200
+        except RefitError:
+            healthy = False
+        # No digest: a checksum inside the worker misses the repacked linear layers on CPU.
+        return EngineStatus(healthy=healthy, paused=self._paused, weights_digest="")
+
+    def check_plan(self, plan: RefitPlan) -> None:
+        """vLLM loads checkpoint names (`model.layers.0.self_attn.q_proj.weight`), fusing them
+        itself; where the engine's checkpoint is a local directory (GET /v1/models `root`, or
+        the `checkpoint_dir` option), every name and shape is checked against its safetensors
+        headers. dtypes may differ (vLLM's loaders cast)."""
+        for s in plan.tensors:
+            if s.name != s.name.strip():
+                raise InvalidPlanError(f"tensor name {s.name!r} has surrounding whitespace",
+                                       reason=Reason.UNKNOWN_TENSOR)
+        if not self.check_names:
+            return
+        index = self._checkpoint_index()
+        if index is None:
+            return
+        for s in plan.tensors:
+            shape = index.shapes.get(s.name)
+            if shape is None:
+                if s.name == "lm_head.weight" and index.tied_embeddings:
+                    continue  # tied to the embeddings: vLLM skips it, the trainer may send it
+                raise InvalidPlanError(
+                    f"vLLM loads checkpoint names and {s.name!r} is not one of the "
+                    f"{len(index.shapes)} tensors of {index.directory}",
+                    reason=Reason.UNKNOWN_TENSOR)
+            if shape != s.shape:
+                raise InvalidPlanError(
+                    f"tensor {s.name!r}: checkpoint has shape {shape}, plan says {s.shape}",
+                    reason=Reason.TENSOR_MISMATCH)
+
+    def pause(self, mode: PauseMode, deadline: Deadline) -> None:
+        # Draining (wait) takes as long as the requests in flight: bounded by the deadline only.
+        self._http.call("POST", "/pause", deadline, what=f"pause({mode.value})",
+                        query={"mode": mode.value, "clear_cache": "true"},
+                        cap_s=math.inf if mode is PauseMode.WAIT else None)
+        with self._lock:
+            self._paused = True
+
+    def resume(self, deadline: Deadline) -> None:
+        self._http.call("POST", "/resume", deadline, what="resume")
+        with self._lock:
+            self._paused = False
+
+    def reset_cache(self, deadline: Deadline) -> bool:
+        # vLLM refuses (success=false) while running requests still hold blocks; after a
+        # drain that is a matter of milliseconds.
+        for _ in range(20):
+            body = self._http.call("POST", "/reset_prefix_cache", deadline, what="reset_prefix_cache")
+            if isinstance(body, dict) and body.get("success"):
+                return True
+            if deadline.remaining() < 0.2:
+                break
+            time.sleep(0.05)
+        return False
+
+    def check_backend(self, backend: str) -> None:
+        """vLLM's workers join the group, not this process: whether they can use `backend` is
+        theirs to say (/init_weight_transfer_engine fails with their reason)."""
+
+    def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:
+        if spec.backend == "nccl":
+            problem = nccl_misalignment(plan)
+            if problem:
+                raise InvalidPlanError(f"vLLM's nccl receiver cannot unpack this plan: {problem}"
+                                       "; reorder the tensors (larger element sizes first)",
+                                       reason=Reason.UNALIGNED_FOR_NCCL)
+        self._join_background_shutdown(deadline)
+        self._shutdown_transfer(deadline, end_stale_update=True)
+        left = deadline.check("init_weight_transfer_engine")
+        info = init_info_for(spec, plan, _worker_timeout(left))
+        with self._lock:
+            self._busy += 1
+        try:
+            self._http.call("POST", "/init_weight_transfer_engine", deadline, kind=CallKind.JOIN,
+                            what="init_weight_transfer_engine", body={"init_info": info},
+                            cap_s=math.inf, extra_s=1.0, watch=deadline)
+        finally:
+            with self._lock:
+                self._busy -= 1
+        with self._lock:
+            self._backend, self._group = spec.backend, spec
+
+    def receive(self, plan: RefitPlan, deadline: Deadline,
+                on_bucket: Callable[[Bucket], None]) -> None:
+        gen = self._http.generation
+        with self._lock:
+            self._receiving, self._touched = True, False
+            self._busy += 1
+        try:
+            self._check_live(deadline, gen, "start_weight_update")
+            with self._lock:
+                self._touched = True  # from here vLLM's layerwise session may move layers
+            self._start_update(deadline)
+            if deadline.cancel.is_set() or gen != self._http.generation:
+                self._end_untouched_session()
+                raise EpochAbortedError("aborted before /update_weights", reason=Reason.EPOCH_ABORTED)
+            left = deadline.check("update_weights")
+            group = self._group
+            abort_key = (f"refit_grpc/{group.group_id}/abort/{uuid.uuid4().hex}"
+                         if group is not None and self._backend == "gloo" else None)
+            update = update_info_for(plan, self._backend, _worker_timeout(left), abort_key)
+            try:
+                self._http.call("POST", "/update_weights", deadline, kind=CallKind.RECEIVE,
+                                what="update_weights", body={"update_info": update},
+                                cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen,
+                                on_cancel=(lambda: self._signal_abort(group, abort_key))
+                           if abort_key else None)
+            except RefitError as e:
+                m = APPLIED_RE.search(e.message)
+                if m and int(m.group(1)) == 0:
+                    with self._lock:
+                        self._touched = False  # rolled back with nothing loaded: old weights intact
+                raise
+            if deadline.cancel.is_set() or gen != self._http.generation:
+                raise EpochAbortedError("update_weights finished after an abort; not committing",
+                                        reason=Reason.EPOCH_ABORTED)
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._receiving = False
+        for bucket in plan.buckets:
+            on_bucket(bucket)
+
+    def finish(self, version: int, deadline: Deadline) -> str:
+        self._http.call("POST", "/finish_weight_update", deadline, what="finish_weight_update",
+                        body={"weight_version": str(version)})
+        with self._lock:
+            self._touched = False  # the new version is whole
+        return ""
+
+    def abort_transfer(self) -> None:
+        self._http.cancel_pending()
+        with self._lock:
+            if self._shutdown_thread is not None and self._shutdown_thread.is_alive():
+                return
+            thread = threading.Thread(target=self._background_shutdown, daemon=True,
+                                      name="vllm-shutdown-transfer")
+            self._shutdown_thread = thread
+        thread.start()
+
+    def close(self) -> None:
+        self.abort_transfer()
+        thread = self._shutdown_thread
+        if thread is not None:
+            thread.join(min(self.request_timeout_s, 5.0))
+
+    # --- extras for trainers, tests and the demo -------------------------------------------
+
+    def weight_info(self, deadline: Deadline | None = None) -> str | None:
+        body = self._http.call("GET", "/weight_info", deadline, what="weight_info")
+        return body.get("weight_version") if isinstance(body, dict) else None
+
+    # --- weight-transfer helpers -----------------------------------------------------------
+
+    def _start_update(self, deadline: Deadline) -> None:
+        try:
+            self._http.call("POST", "/start_weight_update", deadline, what="start_weight_update")
+        except FailedPreconditionError as e:
+            if "already active" not in e.message:
+                raise
+            # A session left open by an update that never reached the worker: end it (nothing
+            # loaded, so finalize puts the old kernel tensors back) and start afresh.
+            log.warning("ending a weight-update session left open: %s", e.message[:200])
+            self._http.call("POST", "/finish_weight_update", deadline, what="finish (stale session)")
+            self._http.call("POST", "/start_weight_update", deadline, what="start_weight_update")
+
+    def _end_untouched_session(self) -> None:
+        """After /start_weight_update and before any byte: finalize with nothing loaded restores
+        every layer, so the weights are provably the old ones again."""
+        try:
+            self._http.call("POST", "/finish_weight_update", Deadline(self.request_timeout_s),
+                            what="finish (aborted session)")
+            with self._lock:
+                self._touched = False
+        except RefitError as e:
+            log.warning("could not end the aborted weight-update session: %s", e)
+
+    def _shutdown_transfer(self, deadline: Deadline, end_stale_update: bool) -> None:
+        try:
+            self._http.call("POST", "/shutdown_weight_transfer_engine", deadline,
+                            what="shutdown_weight_transfer_engine")
+        except FailedPreconditionError as e:
+            if not end_stale_update or "during a weight update" not in e.message:
+                raise
+            log.warning("ending a weight-update session left open before re-initialising")
+            self._http.call("POST", "/finish_weight_update", deadline, what="finish (stale session)")
+            self._http.call("POST", "/shutdown_weight_transfer_engine", deadline,
+                            what="shutdown_weight_transfer_engine")
+
+    def _background_shutdown(self) -> None:
+        try:
+            self._shutdown_transfer(Deadline(self.request_timeout_s), end_stale_update=False)
+        except RefitError as e:
+            log.info("background shutdown_weight_transfer_engine: %s", e)
+
+    def _join_background_shutdown(self, deadline: Deadline) -> None:
+        """A shutdown posted by an earlier abort must reach vLLM before the next init."""
+        thread = self._shutdown_thread
+        if thread is not None and thread.is_alive():
+            thread.join(max(min(deadline.remaining(), self.request_timeout_s), 0.0))
+            if thread.is_alive():
+                raise EngineUnavailableError("the previous shutdown_weight_transfer_engine is "
+                                             "still unanswered")
+
+    def _signal_abort(self, group: GroupSpec, key: str) -> None:
+        """Set the receive's abort key in the trainer's TCPStore (the worker polls it): the only
+        way to reach a vLLM worker blocked in /update_weights. Best effort, bounded."""
+        import datetime
+
+        import torch.distributed as dist
+
+        try:
+            store = dist.TCPStore(group.master_address, group.master_port, is_master=False,
+                                  wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=min(self.abort_grace_s, 2)))
+            store.set(key, b"1")
+            log.info("abort key set for the worker: %s", key)
+        except (RuntimeError, dist.DistError) as e:  # the trainer's store is gone already
+            log.info("abort key not set (%s): the worker fails with the trainer", e)
+
+    def _check_live(self, deadline: Deadline, gen: int, what: str) -> None:
+        deadline.check(what)
+        if gen != self._http.generation:
+            raise EpochAbortedError(f"{what}: aborted", reason=Reason.EPOCH_ABORTED)
+
+    def _refresh_world_size(self) -> None:
+        try:
+            body = self._http.call("GET", "/get_world_size", None, what="get_world_size",
+                                   query={"include_dp": "true"}, cap_s=self.status_timeout_s)
+            with self._lock:
+                self._world_size = int(body["world_size"])
+        except (RefitError, KeyError, TypeError, ValueError):
+            pass
+
+    # --- checkpoint names (check_plan) -----------------------------------------------------
+
+    def _checkpoint_index(self) -> CheckpointIndex | None:
+        if self._checkpoint is not None:
+            return self._checkpoint
+        directory = self.checkpoint_dir
+        if directory is None:
+            try:
+                body = self._http.call("GET", "/v1/models", None, what="models",
+                                       cap_s=self.status_timeout_s)
+                directory = body["data"][0]["root"]
+            except (RefitError, KeyError, IndexError, TypeError) as e:
+                log.info("plan names not checked: engine model unknown (%s)", e)
+                return None
+        try:
+            index = CheckpointIndex.read(directory)
+        except (OSError, ValueError) as e:
+            log.warning("plan names not checked: cannot read %s (%s)", directory, e)
+            return None
+        if index is None:
+            log.info("plan names not checked: %s holds no safetensors checkpoint", directory)
+        self._checkpoint = index
+        return index
+
+
+def _worker_timeout(left_s: float) -> float:
+    """The worker's own bound: a little inside the shim's, so its error (with its cause) arrives
+    before the shim's HTTP call gives up."""
+    return round(max(min(left_s - 1.0, left_s * 0.9), 0.5), 3)
