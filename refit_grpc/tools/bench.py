@@ -6,7 +6,7 @@ All arms move the same plan, packed the same way, to the same number of receiver
   trainer times the broadcast of every bucket until every receiver has reported back.
 - refit_grpc: `Fleet.refit()` against shim processes (UpdateWeights, two-phase start, broadcast,
   COMMITTED from every shim, no flush).
-- HTTP-JSON: the seed's control plane (`refit_grpc.bench_http`): per worker, JSON posts to start,
+- HTTP-JSON: the seed's control plane (`refit_grpc.tools.bench_http`): per worker, JSON posts to start,
   update (blocking while the trainer broadcasts) and finish, same engine and receiver.
 The ratios are each control plane's overhead on top of moving the bytes.
 """
@@ -34,7 +34,7 @@ def _tensors(total_mb: float, n: int) -> dict[str, torch.Tensor]:
     return {f"layer.{i}.weight": torch.randn(per, generator=g) for i in range(n)}
 
 
-def _raw_receiver(port: int, world: int, rank: int, total_mb: float, n: int, buf: int,
+def raw_receiver(port: int, world: int, rank: int, total_mb: float, n: int, buf: int,
                   reps: int) -> None:
     torch.set_num_threads(1)
     plan = RefitPlan.from_tensors(_tensors(total_mb, n).items(), Packing(buf, 2))
@@ -65,8 +65,8 @@ def run_bench(workers: int = 2, total_mb: float = 64, tensors: int = 64,
         # raw collective: receivers that only receive
         raw_port = free_port()
         procs += [subprocess.Popen([sys.executable, "-c", (
-            "from refit_grpc.bench import _raw_receiver; "
-            f"_raw_receiver({raw_port}, {world}, {r}, {total_mb}, {tensors}, {buffer_size_bytes}, "
+            "from refit_grpc.tools.bench import raw_receiver; "
+            f"raw_receiver({raw_port}, {world}, {r}, {total_mb}, {tensors}, {buffer_size_bytes}, "
             f"{reps + 1})")]) for r in range(1, world)]
         raw_group = Group.join(GroupSpec("127.0.0.1", raw_port, world, 0, "gloo", "bench"), 60)
         raw_sender, ack = Sender(raw_group, plan), torch.zeros(1)
@@ -80,7 +80,7 @@ def run_bench(workers: int = 2, total_mb: float = 64, tensors: int = 64,
         link = fleet.connect("127.0.0.1", free_port())
 
         # HTTP-JSON: the seed's routes in front of the same engine
-        http_servers = [subprocess.Popen([sys.executable, "-m", "refit_grpc.bench_http"],
+        http_servers = [subprocess.Popen([sys.executable, "-m", "refit_grpc.tools.bench_http"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                         for _ in range(workers)]
         procs += http_servers

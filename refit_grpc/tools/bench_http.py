@@ -63,7 +63,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve() -> None:
-    """`python -m refit_grpc.bench_http`: print the port, serve until stdin closes."""
+    """`python -m refit_grpc.tools.bench_http`: print the port, serve until stdin closes."""
     import torch
 
     torch.set_num_threads(1)
