@@ -109,10 +109,15 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from refit_grpc.tools.bench import run_bench
+    from refit_grpc.tools.bench import ARMS, run_bench
 
-    return run_bench(workers=args.workers, total_mb=args.total_mb, tensors=args.tensors,
-                     buffer_size_bytes=args.buffer_size_bytes, reps=args.reps)
+    workload = ({"kind": "equal", "total_mb": args.total_mb, "tensors": args.tensors}
+                if args.equal else {"kind": "realistic", "total_mb": args.total_mb})
+    arms = [a for a in ARMS if a in args.arms.split(",")] if args.arms else list(ARMS)
+    for world in args.world:
+        run_bench(workers=world - 1, workload=workload, buffer_size_bytes=args.buffer_size_bytes,
+                  num_buffers=args.num_buffers, reps=args.reps, arms=arms)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,15 +178,25 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--key", help="client key (PEM) for mTLS")
     check.set_defaults(func=_health)
 
-    bench = sub.add_parser("bench", help="refit_grpc epoch vs the raw collective, side by side")
-    bench.add_argument("--workers", type=int, default=2)
-    bench.add_argument("--total-mb", type=float, default=64)
-    bench.add_argument("--tensors", type=int, default=64)
-    bench.add_argument("--buffer-size-bytes", type=int, default=16 << 20)
-    bench.add_argument("--reps", type=int, default=5)
+    bench = sub.add_parser("bench", help="refit_grpc against the wire floor, the per-tensor "
+                                         "refit and the HTTP-JSON way, side by side")
+    bench.add_argument("--world", type=int, action="append",
+                       help="trainer + receivers (repeatable; default 2)")
+    bench.add_argument("--total-mb", type=float, default=1024)
+    bench.add_argument("--equal", action="store_true",
+                       help="equal-size tensors (--tensors of them) instead of the realistic "
+                            "decoder layer mix")
+    bench.add_argument("--tensors", type=int, default=1000)
+    bench.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
+    bench.add_argument("--num-buffers", type=int, default=2)
+    bench.add_argument("--reps", type=int, default=3)
+    bench.add_argument("--arms", default="", help="comma-separated subset of "
+                                                  "floor,per-tensor,raw,refit_grpc,http")
     bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
+    if getattr(args, "func", None) is _bench and not args.world:
+        args.world = [2]
     if getattr(args, "allow_master", "unset") is None:
         # An environment variable too, for containers whose command line is fixed.
         from_env = [c.strip() for c in os.environ.get("REFIT_GRPC_ALLOW_MASTER", "").split(",")]

@@ -51,6 +51,7 @@ class Group:
         self._pg_lock = threading.Lock()
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if spec.backend == "nccl" else torch.device("cpu")
+        self._receive_buffers: list[torch.Tensor] = []
 
     @classmethod
     def join(cls, spec: GroupSpec, timeout_s: float) -> Group:
@@ -91,6 +92,17 @@ class Group:
     @property
     def closed(self) -> bool:
         return self._pg is None
+
+    def receive_buffers(self, plan: RefitPlan) -> list[torch.Tensor]:
+        """`num_buffers` bucket buffers, each as large as the plan's largest bucket (the memory
+        bound), allocated once per group and reused by every epoch on it. Every receive writes
+        a whole bucket before anything reads it, so no byte of an earlier epoch is ever used."""
+        nbytes = max(b.nbytes for b in plan.buckets)
+        count = min(plan.packing.num_buffers, len(plan.buckets))
+        have = self._receive_buffers
+        if len(have) < count or (have and have[0].numel() < nbytes):
+            have = self._receive_buffers = _buffers(nbytes, count, self.device)
+        return [buf[:nbytes] for buf in have[:count]]
 
     def broadcast_async(self, tensor: torch.Tensor, deadline: Deadline) -> _PendingOp:
         opts = dist.BroadcastOptions()
@@ -237,7 +249,11 @@ class Sender:
     """Trainer rank 0: packs the plan's buckets and broadcasts them.
 
     Packing bucket i+1 overlaps the broadcast of bucket i (gloo and NCCL run the broadcast on their
-    own threads/streams); at most `num_buffers` packed buckets are alive at once.
+    own threads/streams); at most `num_buffers` packed buckets are alive at once. The bucket
+    buffers are allocated once per Sender (one group) and reused by every epoch: fresh buffers
+    would cost a page fault per 4 KiB on every refit. A bucket that is one contiguous tensor
+    already on the group's device is broadcast from the tensor itself, without a pack copy, and
+    needs no buffer.
     """
 
     def __init__(self, group: Group, plan: RefitPlan):
@@ -245,6 +261,7 @@ class Sender:
             raise InvalidArgumentError("only rank 0 sends", reason=Reason.INVALID_RANK)
         self.group = group
         self.plan = plan
+        self._slots: list[torch.Tensor] | None = None
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Refuse, before any byte moves, tensors that do not match the plan."""
@@ -262,19 +279,30 @@ class Sender:
              on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
         self.check_tensors(tensors)
         plan, device = self.plan, self.group.device
-        slots = _slots(plan, device)
+        if self._slots is None:
+            packed = [b for b in plan.buckets if b.stop - b.start > 1] or list(plan.buckets)
+            self._slots = _buffers(max(b.nbytes for b in packed),
+                                   min(plan.packing.num_buffers, len(plan.buckets)), device)
+        slots = self._slots
+        # Per slot: the broadcast that last used it. In-place sends are tracked apart: their
+        # source is the trainer's tensor, which must not change until they complete.
         in_flight: list[_PendingOp | None] = [None] * len(slots)
+        in_place: list[_PendingOp] = []
         t0 = time.monotonic()
         for bucket in plan.buckets:
-            k = bucket.index % len(slots)
-            if in_flight[k] is not None:
-                in_flight[k].wait(deadline, f"broadcast of bucket {bucket.index - len(slots)}")
             specs = plan.tensors[bucket.start:bucket.stop]
-            buf = pack_into(slots[k], [tensors[s.name].to(device) for s in specs])
-            in_flight[k] = self.group.broadcast_async(buf, deadline)
+            lone = tensors[specs[0].name] if len(specs) == 1 else None
+            if lone is not None and lone.is_contiguous() and lone.device == device:
+                in_place.append(self.group.broadcast_async(_byte_view(lone.detach()), deadline))
+            else:
+                k = bucket.index % len(slots)
+                if in_flight[k] is not None:
+                    in_flight[k].wait(deadline, f"broadcast before bucket {bucket.index}")
+                buf = pack_into(slots[k], [tensors[s.name].to(device) for s in specs])
+                in_flight[k] = self.group.broadcast_async(buf, deadline)
             if on_bucket:
                 on_bucket(bucket)
-        for op in in_flight:
+        for op in [*in_flight, *in_place]:
             if op is not None:
                 op.wait(deadline, "final broadcast")
         return TransferStats(len(plan.buckets), plan.total_bytes, time.monotonic() - t0)
@@ -290,7 +318,7 @@ def receive(group: Group, plan: RefitPlan, deadline: Deadline,
     sender need not wait for these posts: a broadcast completes only once every rank has joined
     it, so a sender that starts first simply waits (bounded by its own deadline).
     """
-    slots = _slots(plan, group.device)
+    slots = group.receive_buffers(plan)
     buckets = plan.buckets
     pending: dict[int, tuple[_PendingOp, torch.Tensor]] = {}
 
@@ -314,8 +342,5 @@ def receive(group: Group, plan: RefitPlan, deadline: Deadline,
     return TransferStats(len(buckets), plan.total_bytes, time.monotonic() - t0)
 
 
-def _slots(plan: RefitPlan, device: torch.device) -> list[torch.Tensor]:
-    """`num_buffers` reusable buffers, each as large as the largest bucket: the memory bound."""
-    biggest = max(b.nbytes for b in plan.buckets)
-    n = min(plan.packing.num_buffers, len(plan.buckets))
-    return [torch.empty(biggest, dtype=torch.uint8, device=device) for _ in range(n)]
+def _buffers(nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
+    return [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]

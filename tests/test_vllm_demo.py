@@ -17,7 +17,7 @@ require_vllm()
 @pytest.mark.slow
 @pytest.mark.timeout(720)
 def test_demo_vllm_refits_two_engines_and_they_generate_like_the_trainer():
-    proc = subprocess.run([sys.executable, "-m", "refit_grpc.testing.vllm", "--engines", "2",
+    proc = subprocess.run([sys.executable, "-m", "refit_grpc.tools.demo_vllm", "--engines", "2",
                            "--steps", "2"], capture_output=True, text=True, timeout=660)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     assert "before training: engines == trainer" in proc.stdout, proc.stdout

@@ -1,133 +1,323 @@
-"""Side-by-side refit timing: the full protocol against the raw collective and against the
-HTTP-JSON way (the seed's), in one run.
+"""Side-by-side refit timing, in one run, against the wire floor and the two ways users have today.
 
-All arms move the same plan, packed the same way, to the same number of receiver processes:
-- raw: receivers that only loop `receive()` on a gloo group (no gRPC, no state machine); the
-  trainer times the broadcast of every bucket until every receiver has reported back.
-- refit_grpc: `Fleet.refit()` against shim processes (UpdateWeights, two-phase start, broadcast,
-  COMMITTED from every shim, no flush).
-- HTTP-JSON: the seed's control plane (`refit_grpc.tools.bench_http`): per worker, JSON posts to start,
-  update (blocking while the trainer broadcasts) and finish, same engine and receiver.
-The ratios are each control plane's overhead on top of moving the bytes.
+Every arm moves the same plan (same bytes, same order) from trainer rank 0 to the same number of
+receiver processes over gloo on loopback, and ends when every receiver has the bytes:
+- floor: ONE broadcast of a buffer of the plan's total bytes, already packed; receivers land it
+  in a buffer and do nothing else. Bytes on the wire, nothing more: the target.
+- per-tensor: one async broadcast per tensor (the naive refit), received into the tensors' places.
+- raw: the project's own Sender and receive loop (packing, buckets, num_buffers in flight), no
+  control plane: what the data path costs on top of the floor.
+- refit_grpc: `Fleet.refit(..., flush=False)` against shim processes (reference engine, store
+  mode): membership check, UpdateWeights, two-phase start, broadcast, apply, every COMMITTED.
+- HTTP-JSON: the seed's control plane (`refit_grpc.tools.bench_http`): per worker, JSON posts to
+  start, update (blocking while the trainer broadcasts) and finish, same engine and receiver.
+
+The arms are interleaved rep by rep (floor, per-tensor, raw, refit_grpc, HTTP-JSON, floor, ...) so
+background load hits every arm alike; the first rep is a warm-up. Each arm's time is reported as
+a ratio to the floor's median in the same run, and the resident-memory growth of the sender and of
+every receiver is sampled during each epoch.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from refit_grpc.collective import Group, Sender, receive
 from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.driver import Fleet, WorkerEndpoint
-from refit_grpc.plan import Packing, RefitPlan
+from refit_grpc.plan import Packing, RefitPlan, TensorSpec
 from refit_grpc.shim.process import spawn_shim
 from refit_grpc.testing.ports import free_port
 
+ARMS = ("floor", "per-tensor", "raw", "refit_grpc", "http")
+_TIMEOUT_S = 300.0
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
-def _tensors(total_mb: float, n: int) -> dict[str, torch.Tensor]:
+
+# --- workloads ------------------------------------------------------------------------------
+
+
+def realistic_specs(total_bytes: int = 1 << 30) -> list[TensorSpec]:
+    """A decoder-only layer mix of about `total_bytes` in fp32: token embedding and untied output
+    projection (~100 MB each at 1 GiB), then per layer q/k/v/o (GQA 4:1, q/k/v biases, q/k
+    norms), a gated MLP and two norms: 14 tensors per layer, from 256 bytes to ~100 MB."""
+    hidden, inter, vocab, kv = 512, 1408, 50_000, 128
+    per_layer = 4 * (hidden * hidden * 2 + hidden * kv * 2 + 3 * hidden * inter
+                     + hidden + 2 * kv + 2 * 64 + 2 * hidden)
+    fixed = 4 * (2 * vocab * hidden + hidden)
+    layers = max(1, round((total_bytes - fixed) / per_layer))
+    f32 = torch.float32
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), f32)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [
+            TensorSpec(p + "input_layernorm.weight", (hidden,), f32),
+            TensorSpec(p + "self_attn.q_proj.weight", (hidden, hidden), f32),
+            TensorSpec(p + "self_attn.q_proj.bias", (hidden,), f32),
+            TensorSpec(p + "self_attn.k_proj.weight", (kv, hidden), f32),
+            TensorSpec(p + "self_attn.k_proj.bias", (kv,), f32),
+            TensorSpec(p + "self_attn.v_proj.weight", (kv, hidden), f32),
+            TensorSpec(p + "self_attn.v_proj.bias", (kv,), f32),
+            TensorSpec(p + "self_attn.q_norm.weight", (64,), f32),
+            TensorSpec(p + "self_attn.k_norm.weight", (64,), f32),
+            TensorSpec(p + "self_attn.o_proj.weight", (hidden, hidden), f32),
+            TensorSpec(p + "post_attention_layernorm.weight", (hidden,), f32),
+            TensorSpec(p + "mlp.gate_proj.weight", (inter, hidden), f32),
+            TensorSpec(p + "mlp.up_proj.weight", (inter, hidden), f32),
+            TensorSpec(p + "mlp.down_proj.weight", (hidden, inter), f32),
+        ]
+    specs += [TensorSpec("model.norm.weight", (hidden,), f32),
+              TensorSpec("lm_head.weight", (vocab, hidden), f32)]
+    return specs
+
+
+def equal_specs(total_mb: float, n: int) -> list[TensorSpec]:
     per = max(1, int(total_mb * (1 << 20) / 4 / n))
-    g = torch.Generator().manual_seed(0)
-    return {f"layer.{i}.weight": torch.randn(per, generator=g) for i in range(n)}
+    return [TensorSpec(f"layer.{i}.weight", (per,), torch.float32) for i in range(n)]
 
 
-def raw_receiver(port: int, world: int, rank: int, total_mb: float, n: int, buf: int,
-                  reps: int) -> None:
+def workload_specs(workload: dict) -> list[TensorSpec]:
+    if workload["kind"] == "realistic":
+        return realistic_specs(int(workload["total_mb"] * (1 << 20)))
+    return equal_specs(workload["total_mb"], workload["tensors"])
+
+
+def materialize(specs: Sequence[TensorSpec], seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.shape, generator=g, dtype=s.dtype) for s in specs}
+
+
+# --- the bare receivers (floor, per-tensor, raw) ----------------------------------------------
+
+
+def bare_receiver(ports: dict[str, int], world: int, rank: int, workload: dict, buffer_size: int,
+                  num_buffers: int, reps: int) -> None:
+    """One receiver rank of the three arms without a control plane, in the trainer's order."""
     torch.set_num_threads(1)
-    plan = RefitPlan.from_tensors(_tensors(total_mb, n).items(), Packing(buf, 2))
-    group = Group.join(GroupSpec("127.0.0.1", port, world, rank, "gloo", "bench"), 60)
+    plan = RefitPlan(tuple(workload_specs(workload)), Packing(buffer_size, num_buffers))
+    groups = {arm: Group.join(GroupSpec("127.0.0.1", ports[arm], world, rank, "gloo", arm),
+                              _TIMEOUT_S) for arm in ("floor", "per-tensor", "raw")}
+    flat = torch.empty(plan.total_bytes, dtype=torch.uint8)
+    flat.fill_(0)  # first touch outside the timed epochs
+    views, offset = [], 0
+    for s in plan.tensors:  # per-tensor lands every tensor in its place in one flat buffer
+        views.append(flat[offset:offset + s.nbytes])
+        offset += s.nbytes
     ack = torch.zeros(1)
     for _ in range(reps):
-        receive(group, plan, Deadline(120), lambda b, it: [None for _ in it])
-        # Report completion the cheapest way there is: one more broadcast round from rank 0.
-        group.broadcast_async(ack, Deadline(60)).wait(Deadline(60), "ack")
-    group.close()
+        for arm in ("floor", "per-tensor", "raw"):
+            group = groups[arm]
+            deadline = Deadline(_TIMEOUT_S)
+            if arm == "floor":
+                group.broadcast_async(flat, deadline).wait(deadline, "floor")
+            elif arm == "per-tensor":
+                for op in [group.broadcast_async(v, deadline) for v in views]:
+                    op.wait(deadline, "per-tensor")
+            else:
+                receive(group, plan, deadline, lambda b, it: None)
+            group.broadcast_async(ack, deadline).wait(deadline, "ack")
+    for group in groups.values():
+        group.close()
 
 
-def run_bench(workers: int = 2, total_mb: float = 64, tensors: int = 64,
-              buffer_size_bytes: int = 16 << 20, reps: int = 5, out=sys.stdout) -> int:
-    """Sets all three arms up side by side, then interleaves them rep by rep (raw, refit_grpc,
-    HTTP-JSON, raw, ...) so background load hits every arm alike."""
+# --- memory sampling -------------------------------------------------------------------------
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        return 0
+
+
+class PeakRss:
+    """Samples the resident memory of some processes while an epoch runs: peak minus start."""
+
+    def __init__(self, pids: Sequence[int], interval_s: float = 0.002):
+        self.pids = list(pids)
+        self._start = {p: _rss(p) for p in self.pids}
+        self._peak = dict(self._start)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            for p in self.pids:
+                self._peak[p] = max(self._peak[p], _rss(p))
+
+    def stop(self) -> dict[int, int]:
+        self._stop.set()
+        self._thread.join()
+        for p in self.pids:
+            self._peak[p] = max(self._peak[p], _rss(p))
+        return {p: self._peak[p] - self._start[p] for p in self.pids}
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes: int = 64 << 20,
+              num_buffers: int = 2, reps: int = 3, arms: Sequence[str] = ARMS,
+              out=sys.stdout) -> dict[str, list[float]]:
+    """Every arm side by side, interleaved rep by rep; prints the table and returns the times."""
     from refit_grpc.tools.bench_http import HttpFleet
 
-    weights = _tensors(total_mb, tensors)
-    plan = RefitPlan.from_tensors(weights.items(), Packing(buffer_size_bytes, 2))
-    print(f"plan: {len(plan.tensors)} tensors, {plan.total_bytes / 1e6:.1f} MB, "
-          f"{len(plan.buckets)} buckets of <= {buffer_size_bytes >> 20} MiB; {workers} receivers; "
-          f"{reps} interleaved reps after one warm-up", file=out, flush=True)
+    workload = workload or {"kind": "realistic", "total_mb": 1024}
+    specs = workload_specs(workload)
+    packing = Packing(buffer_size_bytes, num_buffers)
+    plan = RefitPlan(tuple(specs), packing)
+    plan.validate()
+    weights = materialize(specs)
     world = workers + 1
+    say = _printer(out)
+    say(f"plan: {len(plan.tensors)} tensors ({min(s.nbytes for s in specs)} B to "
+        f"{max(s.nbytes for s in specs) / 1e6:.1f} MB), {plan.total_bytes / 1e6:.1f} MB, "
+        f"{len(plan.buckets)} buckets of {buffer_size_bytes >> 20} MiB x {num_buffers} buffers; "
+        f"{workers} receivers; {reps} interleaved reps after one warm-up; arms: {', '.join(arms)}")
     procs: list[subprocess.Popen] = []
-    shims = []
+    shims, fleet, http = [], None, None
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    memory: dict[str, list[tuple[int, int]]] = {a: [] for a in arms}  # (sender, max receiver)
     try:
-        # raw collective: receivers that only receive
-        raw_port = free_port()
-        procs += [subprocess.Popen([sys.executable, "-c", (
-            "from refit_grpc.tools.bench import raw_receiver; "
-            f"raw_receiver({raw_port}, {world}, {r}, {total_mb}, {tensors}, {buffer_size_bytes}, "
-            f"{reps + 1})")]) for r in range(1, world)]
-        raw_group = Group.join(GroupSpec("127.0.0.1", raw_port, world, 0, "gloo", "bench"), 60)
-        raw_sender, ack = Sender(raw_group, plan), torch.zeros(1)
+        runners: dict[str, Callable[[int], None]] = {}
+        receivers: dict[str, list[int]] = {}
+        bare = [a for a in ("floor", "per-tensor", "raw") if a in arms]
+        if bare:
+            ports = {a: free_port() for a in ("floor", "per-tensor", "raw")}
+            bare_procs = [subprocess.Popen([sys.executable, "-c", (
+                "from refit_grpc.tools.bench import bare_receiver; "
+                f"bare_receiver({ports!r}, {world}, {r}, {workload!r}, {buffer_size_bytes}, "
+                f"{num_buffers}, {reps + 1})")]) for r in range(1, world)]
+            procs += bare_procs
+            groups = {a: Group.join(GroupSpec("127.0.0.1", ports[a], world, 0, "gloo", a),
+                                    _TIMEOUT_S) for a in ("floor", "per-tensor", "raw")}
+            ack = torch.zeros(1)
+            flat = torch.empty(plan.total_bytes, dtype=torch.uint8)
+            offset = 0
+            for s in specs:  # the floor's bytes: the same plan, packed before the clock starts
+                flat[offset:offset + s.nbytes].copy_(weights[s.name].reshape(-1).view(torch.uint8))
+                offset += s.nbytes
+            raw_sender = Sender(groups["raw"], plan)
 
-        # refit_grpc: shims with the reference engine in store mode
-        shims = [spawn_shim("--model", "none", "--instance-id", f"bench-{i}")
-                 for i in range(workers)]
-        fleet = Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
-                      packing=Packing(buffer_size_bytes, 2))
-        fleet.prepare(plan.state_dict_info())
-        link = fleet.connect("127.0.0.1", free_port())
+            def bare_arm(arm: str) -> Callable[[int], None]:
+                def run(_version: int) -> None:
+                    group, deadline = groups[arm], Deadline(_TIMEOUT_S)
+                    if arm == "floor":
+                        group.broadcast_async(flat, deadline).wait(deadline, "floor")
+                    elif arm == "per-tensor":
+                        ops = [group.broadcast_async(weights[s.name], deadline) for s in specs]
+                        for op in ops:
+                            op.wait(deadline, "per-tensor")
+                    else:
+                        raw_sender.send(weights, deadline)
+                    group.broadcast_async(ack, deadline).wait(deadline, "ack")
+                return run
 
-        # HTTP-JSON: the seed's routes in front of the same engine
-        http_servers = [subprocess.Popen([sys.executable, "-m", "refit_grpc.tools.bench_http"],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                        for _ in range(workers)]
-        procs += http_servers
-        http = HttpFleet([f"http://127.0.0.1:{int(p.stdout.readline())}" for p in http_servers])
-        http_port = free_port()
-        joins = http.init_collective(plan, http_port, world)
-        http_group = Group.join(GroupSpec("127.0.0.1", http_port, world, 0, "gloo",
-                                          "http-bench"), 60)
-        for f in joins:
-            f.result(60)
-        http_sender = Sender(http_group, plan)
+            for a in ("floor", "per-tensor", "raw"):
+                runners[a] = bare_arm(a)
+                receivers[a] = [p.pid for p in bare_procs]
 
-        times: dict[str, list[float]] = {"raw": [], "refit_grpc": [], "http": []}
+        if "refit_grpc" in arms:
+            shims = [spawn_shim("--model", "none", "--instance-id", f"bench-{i}",
+                                "--buffer-size-bytes", str(buffer_size_bytes),
+                                "--num-buffers", str(num_buffers)) for i in range(workers)]
+            fleet = Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+                          packing=packing, epoch_timeout_s=_TIMEOUT_S)
+            fleet.prepare(plan.state_dict_info())
+            link = fleet.connect("127.0.0.1", free_port())
+            runners["refit_grpc"] = lambda v: fleet.refit(link, weights, version=v, flush=False)
+            receivers["refit_grpc"] = [s.pid for s in shims]
+
+        if "http" in arms:
+            http_servers = [subprocess.Popen([sys.executable, "-m", "refit_grpc.tools.bench_http"],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             text=True) for _ in range(workers)]
+            procs += http_servers
+            http = HttpFleet([f"http://127.0.0.1:{int(p.stdout.readline())}"
+                              for p in http_servers])
+            http_port = free_port()
+            joins = http.init_collective(plan, http_port, world)
+            http_group = Group.join(GroupSpec("127.0.0.1", http_port, world, 0, "gloo",
+                                              "http-bench"), _TIMEOUT_S)
+            for f in joins:
+                f.result(_TIMEOUT_S)
+            http_sender = Sender(http_group, plan)
+
+            def http_arm(version: int) -> None:
+                futures = http.update_weights(version)
+                http_sender.send(weights, Deadline(_TIMEOUT_S))
+                for f in futures:
+                    f.result(_TIMEOUT_S)
+
+            runners["http"] = http_arm
+            receivers["http"] = [p.pid for p in http_servers]
+
+        me = os.getpid()
         for i in range(reps + 1):
-            t0 = time.monotonic()
-            raw_sender.send(weights, Deadline(120))
-            raw_group.broadcast_async(ack, Deadline(60)).wait(Deadline(60), "ack")
-            t1 = time.monotonic()
-            fleet.refit(link, weights, version=i + 1, flush=False)
-            t2 = time.monotonic()
-            futures = http.update_weights(i + 1)
-            http_sender.send(weights, Deadline(120))
-            for f in futures:
-                f.result(120)
-            t3 = time.monotonic()
-            if i:  # the first rep is a warm-up (first-touch allocations)
-                times["raw"].append(t1 - t0)
-                times["refit_grpc"].append(t2 - t1)
-                times["http"].append(t3 - t2)
-        raw_group.close()
-        link.close()
-        http_group.close()
-        fleet.close()
-        http.close()
+            for arm in arms:
+                sampler = PeakRss([me, *receivers[arm]])
+                t0 = time.monotonic()
+                runners[arm](i + 1)
+                elapsed = time.monotonic() - t0
+                growth = sampler.stop()
+                if i:  # the first rep is a warm-up (first-touch allocations, connections)
+                    times[arm].append(elapsed)
+                    memory[arm].append((growth[me], max(growth[p] for p in receivers[arm])))
+            say(f"rep {i}{' (warm-up)' if i == 0 else ''} done")
     finally:
+        if fleet is not None:
+            fleet.close()
+        if http is not None:
+            http.close()
         for s in shims:
             s.stop()
         for p in procs:
             if p.stdin:
                 p.stdin.close()
-            p.wait(60)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    _report(times, memory, plan, workers, say)
+    return times
 
-    mb = plan.total_bytes / 1e6
-    r, o, h = (statistics.median(times[k]) for k in ("raw", "refit_grpc", "http"))
-    print(f"raw gloo broadcast   median {r * 1e3:8.1f} ms  {mb / r / 1e3:6.3f} GB/s", file=out)
-    print(f"refit_grpc epoch     median {o * 1e3:8.1f} ms  {mb / o / 1e3:6.3f} GB/s", file=out)
-    print(f"HTTP-JSON epoch      median {h * 1e3:8.1f} ms  {mb / h / 1e3:6.3f} GB/s", file=out)
-    print(f"ratio refit_grpc/raw {o / r:.2f}x   HTTP-JSON/raw {h / r:.2f}x   "
-          f"refit_grpc/HTTP-JSON {o / h:.2f}x", file=out)
-    return 0
+
+def _printer(out) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+    return say
+
+
+def _report(times: dict[str, list[float]], memory: dict[str, list[tuple[int, int]]],
+            plan: RefitPlan, workers: int, say: Callable[[str], None]) -> None:
+    med = {a: statistics.median(t) for a, t in times.items() if t}
+    floor = med.get("floor")
+    bound = plan.packing.num_buffers * plan.packing.buffer_size_bytes
+    say(f"world {workers + 1} ({workers} receivers), {plan.total_bytes / 1e6:.1f} MB, "
+        f"medians of {len(next(iter(times.values())))}:")
+    say(f"{'arm':<11} {'median ms':>10} {'min..max ms':>17} {'GB/s':>6} {'/floor':>7} "
+        f"{'sender +MB':>10} {'receiver +MB':>12}")
+    for arm, t in times.items():
+        m = med[arm]
+        ratio = f"{m / floor:.2f}x" if floor else "-"
+        send_mb = max(s for s, _ in memory[arm]) / 1e6
+        recv_mb = max(r for _, r in memory[arm]) / 1e6
+        say(f"{arm:<11} {m * 1e3:10.1f} {min(t) * 1e3:8.1f}..{max(t) * 1e3:<8.1f} "
+            f"{plan.total_bytes / m / 1e9:6.3f} {ratio:>7} {send_mb:10.1f} {recv_mb:12.1f}")
+    if "refit_grpc" in med and "http" in med:
+        say(f"refit_grpc/HTTP-JSON {med['refit_grpc'] / med['http']:.2f}x")
+    if "refit_grpc" in med and "per-tensor" in med:
+        say(f"per-tensor/refit_grpc {med['per-tensor'] / med['refit_grpc']:.2f}x "
+            "(how much faster refit_grpc is than the naive refit)")
+    say(f"memory bound num_buffers x bucket = {bound / 1e6:.1f} MB (x1.1 = {1.1 * bound / 1e6:.1f})")
