@@ -275,18 +275,23 @@ class Sender:
                     f"tensor {s.name!r} is {tuple(t.shape)} {t.dtype}, plan says {s.shape} {s.dtype}",
                     reason=Reason.TENSOR_MISMATCH)
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the bucket buffers this sender holds (0 before its first send)."""
+        return sum(b.numel() for b in self._slots or ())
+
     def send(self, tensors: Mapping[str, torch.Tensor], deadline: Deadline,
              on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
         self.check_tensors(tensors)
         plan, device = self.plan, self.group.device
         if self._slots is None:
-            packed = [b for b in plan.buckets if b.stop - b.start > 1] or list(plan.buckets)
-            self._slots = _buffers(max(b.nbytes for b in packed),
+            # Sized for the buckets that are packed: a lone tensor, however large, goes in place.
+            packed = [b for b in plan.buckets if b.stop - b.start > 1]
+            self._slots = _buffers(max((b.nbytes for b in packed), default=1),
                                    min(plan.packing.num_buffers, len(plan.buckets)), device)
-        slots = self._slots
         # Per slot: the broadcast that last used it. In-place sends are tracked apart: their
         # source is the trainer's tensor, which must not change until they complete.
-        in_flight: list[_PendingOp | None] = [None] * len(slots)
+        in_flight: list[_PendingOp | None] = [None] * len(self._slots)
         in_place: list[_PendingOp] = []
         t0 = time.monotonic()
         for bucket in plan.buckets:
@@ -295,10 +300,18 @@ class Sender:
             if lone is not None and lone.is_contiguous() and lone.device == device:
                 in_place.append(self.group.broadcast_async(_byte_view(lone.detach()), deadline))
             else:
-                k = bucket.index % len(slots)
+                k = bucket.index % len(self._slots)
+                if self._slots[k].numel() < bucket.nbytes:
+                    # A lone tensor that cannot go in place (non-contiguous, another device):
+                    # every slot grows to it, once every broadcast from the old ones is done.
+                    for op in in_flight:
+                        if op is not None:
+                            op.wait(deadline, f"broadcast before bucket {bucket.index}")
+                    in_flight = [None] * len(self._slots)
+                    self._slots = _buffers(bucket.nbytes, len(self._slots), device)
                 if in_flight[k] is not None:
                     in_flight[k].wait(deadline, f"broadcast before bucket {bucket.index}")
-                buf = pack_into(slots[k], [tensors[s.name].to(device) for s in specs])
+                buf = pack_into(self._slots[k], [tensors[s.name].to(device) for s in specs])
                 in_flight[k] = self.group.broadcast_async(buf, deadline)
             if on_bucket:
                 on_bucket(bucket)
@@ -310,33 +323,45 @@ class Sender:
 
 def receive(group: Group, plan: RefitPlan, deadline: Deadline,
             apply: Callable[[Bucket, Iterator[tuple[TensorSpec, torch.Tensor]]], None],
-            on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
+            on_bucket: Callable[[Bucket], None] | None = None,
+            land: Callable[[Bucket], torch.Tensor | None] | None = None) -> TransferStats:
     """Engine rank: receive every bucket of the plan and hand each to `apply`.
 
     The receives of the first `num_buffers` buckets are posted up front and the next one as soon
     as a buffer is free, so applying bucket i overlaps the transfer of the following ones. The
     sender need not wait for these posts: a broadcast completes only once every rank has joined
     it, so a sender that starts first simply waits (bounded by its own deadline).
+
+    `land`, when given, may return the engine's own storage for a bucket (its tensors' bytes, in
+    plan order, contiguous): the bucket is then received there, with no buffer and no `apply`.
+    It is asked only once the first bucket has been applied and reported (`on_bucket`), so bytes
+    can reach the weights directly only when the caller already counts the weights as changed: a
+    failure before that point still leaves the old weights provably intact.
     """
     slots = group.receive_buffers(plan)
     buckets = plan.buckets
-    pending: dict[int, tuple[_PendingOp, torch.Tensor]] = {}
+    # bucket index -> (the pending receive, where it lands, whether that is the engine's storage)
+    pending: dict[int, tuple[_PendingOp, torch.Tensor, bool]] = {}
+    reported = False
 
     def post(i: int) -> None:
         b = buckets[i]
-        buf = slots[i % len(slots)][:b.nbytes]
-        pending[i] = (group.broadcast_async(buf, deadline), buf)
+        direct = land(b) if land is not None and reported else None
+        buf = direct if direct is not None else slots[i % len(slots)][:b.nbytes]
+        pending[i] = (group.broadcast_async(buf, deadline), buf, direct is not None)
 
     t0 = time.monotonic()
     for i in range(min(len(slots), len(buckets))):
         post(i)
     for b in buckets:
-        op, buf = pending.pop(b.index)
+        op, buf, landed = pending.pop(b.index)
         op.wait(deadline, f"receive of bucket {b.index}/{len(buckets)}")
         deadline.check(f"apply of bucket {b.index}")
-        apply(b, unpack(buf, plan.tensors[b.start:b.stop]))
+        if not landed:
+            apply(b, unpack(buf, plan.tensors[b.start:b.stop]))
         if on_bucket:
             on_bucket(b)
+        reported = True
         if b.index + len(slots) < len(buckets):
             post(b.index + len(slots))
     return TransferStats(len(buckets), plan.total_bytes, time.monotonic() - t0)

@@ -8,6 +8,7 @@ from refit_grpc.driver.failures import (
     EpochRefusedError,
     FleetError,
     FleetTimeoutError,
+    MembershipRefusedError,
     WorkerFailure,
 )
 from refit_grpc.driver.fleet import EpochReport, Fleet, WorkerReport
@@ -15,4 +16,5 @@ from refit_grpc.driver.links import GlooLink, TrainerLink
 
 __all__ = ["ChannelSecurity", "EpochFailedError", "EpochHandle", "EpochRefusedError",
            "EpochReport", "Fleet", "FleetError", "FleetTimeoutError", "GlooLink",
+           "MembershipRefusedError",
            "ProgressCallback", "TrainerLink", "WorkerEndpoint", "WorkerFailure", "WorkerReport"]

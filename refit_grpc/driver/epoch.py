@@ -17,6 +17,7 @@ from refit_grpc.driver.failures import (
     EpochFailedError,
     EpochRefusedError,
     FleetTimeoutError,
+    MembershipRefusedError,
     WorkerFailure,
     failure_from_rpc,
     root_causes_first,
@@ -60,8 +61,8 @@ class EpochHandle:
     """
 
     def __init__(self, workers: Sequence[WorkerLink], version: int,
-                 request: pb.UpdateWeightsRequest, timeout_s: float, abort_fleet: AbortFleet,
-                 on_progress: ProgressCallback | None = None):
+                 requests: Sequence[pb.UpdateWeightsRequest], timeout_s: float,
+                 abort_fleet: AbortFleet, on_progress: ProgressCallback | None = None):
         self.version = version
         self.started_at = time.monotonic()
         self.deadline_at = self.started_at + timeout_s
@@ -82,8 +83,8 @@ class EpochHandle:
         # Set by the first worker failure: the sender watches it, so a lost peer stops the
         # broadcast in seconds rather than at the epoch deadline.
         self.failed = threading.Event()
-        self._calls = [w.stub.UpdateWeights(request, timeout=timeout_s, metadata=w.metadata)
-                       for w in self._workers]
+        self._calls = [w.stub.UpdateWeights(r, timeout=timeout_s, metadata=w.metadata)
+                       for w, r in zip(self._workers, requests)]
         self._threads = [threading.Thread(target=self._consume, args=(i, w, call), daemon=True,
                                           name=f"epoch-v{version}-{i}")
                          for i, (w, call) in enumerate(zip(self._workers, self._calls))]
@@ -124,6 +125,9 @@ class EpochHandle:
         self.abort(f"epoch {self.version} refused")
         self._settle(_SETTLE_AFTER_REFUSAL_S)
         refused = [f for f in self._failures_so_far() if f.instance_id in refused_ids]
+        if refused and all(f.reason == Reason.MEMBERSHIP_CHANGED for f in refused):
+            raise MembershipRefusedError(f"epoch {self.version} refused: restarted since the "
+                                         "group was formed", refused)
         if refused:
             raise EpochRefusedError(f"epoch {self.version} refused before any byte moved",
                                     refused, reason=refused[0].reason)

@@ -11,7 +11,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from refit_grpc.driver.endpoint import WorkerEndpoint
-from refit_grpc.errors import Code, RefitError
+from refit_grpc.errors import Code, MembershipChangedError, RefitError
 from refit_grpc.reasons import Reason
 
 
@@ -52,6 +52,13 @@ class EpochRefusedError(FleetError):
     """At least one worker refused the epoch before any byte was broadcast."""
 
     default_reason = Reason.EPOCH_REFUSED
+
+
+class MembershipRefusedError(EpochRefusedError, MembershipChangedError):
+    """Every refusal said MEMBERSHIP_CHANGED: a worker restarted since the group was formed.
+    Both an EpochRefusedError (naming the workers) and a MembershipChangedError."""
+
+    default_reason = Reason.MEMBERSHIP_CHANGED
 
 
 class EpochFailedError(FleetError):

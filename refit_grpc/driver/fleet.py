@@ -170,6 +170,12 @@ class Fleet:
     def plan(self) -> RefitPlan | None:
         return self._plan
 
+    @property
+    def group_id(self) -> str | None:
+        """The data group of the last `init_collective()` (its store prefix): what a trainer rank
+        joining on its own needs (`collective.Group.join`); None before, or after a failed epoch."""
+        return self._group_id
+
     def prepare(self, state_dict_info: Mapping[str, tuple[Sequence[int], Any]]) -> RefitPlan:
         """Store the plan on every shim; `{name: (shape, dtype)}` in packing order."""
         if state_dict_info is None:
@@ -200,7 +206,7 @@ class Fleet:
         if world_size != train_world_size + self.inference_world_size:
             raise ValueError(f"world_size {world_size} != train_world_size {train_world_size} + "
                              f"inference_world_size {self.inference_world_size}")
-        self._check_membership(describe=False)
+        self._check_membership()
         self._joined_instances = tuple(
             d.instance_id for d in self.describe(weights_digest=False))
         group_id = f"refit-{uuid.uuid4().hex[:12]}"
@@ -276,14 +282,18 @@ class Fleet:
             raise RuntimeError("prepare() must be called before update_weights()")
         if self._group_id is None:
             raise RuntimeError("init_collective() must be called before update_weights()")
-        self._check_membership(describe=True)
+        self._check_membership()
         version = self._version + 1 if version is None else version
-        request = pb.UpdateWeightsRequest(version=version, plan_digest=self._plan.digest,
-                                          group_id=self._group_id,
-                                          pause_mode=PAUSE_MODE_TO_PROTO[pause_mode])
+        # Each shim checks it is still the instance that joined (no Describe round trip first).
+        joined = self._joined_instances or ("",) * len(self._workers)
+        requests = [pb.UpdateWeightsRequest(version=version, plan_digest=self._plan.digest,
+                                            group_id=self._group_id,
+                                            pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
+                                            instance_id=instance_id)
+                    for instance_id in joined]
         if self._closed:
             raise RuntimeError("the fleet is closed")
-        handle = EpochHandle(self._workers, version, request, self.epoch_timeout_s, self.abort,
+        handle = EpochHandle(self._workers, version, requests, self.epoch_timeout_s, self.abort,
                              on_progress)
         with self._epochs_lock:
             # Finished epochs are dropped here, so a long run keeps only the open ones.
@@ -346,6 +356,13 @@ class Fleet:
         request = pb.DescribeRequest(skip_weights_digest=not weights_digest)
         return self._unary_all("Describe", lambda w: request, "describe failed")
 
+    def describe_each(self, weights_digest: bool = True) -> list[pb.DescribeResponse | WorkerFailure]:
+        """Describe on every shim in parallel, one entry per worker in order: its answer, or the
+        `WorkerFailure` that says why there is none. For status views, where one dead shim must not
+        hide the others; `describe()` raises instead."""
+        request = pb.DescribeRequest(skip_weights_digest=not weights_digest)
+        return self._unary_each("Describe", lambda w: request)
+
     def abort(self, reason: str = "aborted by driver") -> list[pb.AbortResponse | None]:
         """Abort on every shim in parallel; best effort, never raises, never retries, and bounded
         by `abort_timeout_s`: a dead or frozen shim must not hold up the others' abort."""
@@ -392,15 +409,21 @@ class Fleet:
         return retry(lambda: getattr(w.stub, method)(request, timeout=self.control_timeout_s,
                                                      metadata=w.metadata))
 
-    def _unary_all(self, method: str, make_request, message: str) -> list:
+    def _unary_each(self, method: str, make_request) -> list:
+        """One call per worker in parallel: each answer, or the worker's failure."""
         futures = [self._pool.submit(self._call, w, method, make_request(w))
                    for w in self._workers]
-        results, failures = [], []
+        out: list = []
         for w, f in zip(self._workers, futures):
             try:
-                results.append(f.result())
+                out.append(f.result())
             except grpc.RpcError as e:
-                failures.append(failure_from_rpc(w.endpoint, e))
+                out.append(failure_from_rpc(w.endpoint, e))
+        return out
+
+    def _unary_all(self, method: str, make_request, message: str) -> list:
+        results = self._unary_each(method, make_request)
+        failures = [r for r in results if isinstance(r, WorkerFailure)]
         if failures:
             cls = FleetTimeoutError if all(
                 f.code == grpc.StatusCode.DEADLINE_EXCEEDED for f in failures) else FleetError
@@ -424,9 +447,10 @@ class Fleet:
                                               "no JOINED in time"))
         return failures
 
-    def _check_membership(self, describe: bool) -> None:
+    def _check_membership(self) -> None:
         """Refuse a fleet whose membership changed since InitCollective (docs/protocol.md,
-        invariant 5)."""
+        invariant 5), as the `validate_workers` hook sees it. A shim restarted since it joined
+        refuses the epoch itself (UpdateWeightsRequest.instance_id)."""
         if self.validate_workers is not None:
             original = [{"instance_id": e.instance_id, "address": e.address}
                         for e in self.endpoints]
@@ -440,11 +464,3 @@ class Fleet:
                 raise MembershipChangedError(
                     "membership changed after collective setup: "
                     + "; ".join(str(f) for f in changed or [current]))
-        if describe and self._joined_instances is not None:
-            now = tuple(d.instance_id for d in self.describe(weights_digest=False))
-            moved = [f"{e.instance_id}@{e.address} (was shim {a}, now {b})"
-                     for e, a, b in zip(self.endpoints, self._joined_instances, now) if a != b]
-            if moved:
-                raise MembershipChangedError(
-                    "membership changed after collective setup (restarted since "
-                    f"InitCollective): {'; '.join(moved)}")

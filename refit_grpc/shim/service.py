@@ -248,6 +248,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 raise InvalidArgumentError(f"version must be >= 1, got {request.version}",
                                            reason=Reason.INVALID_VERSION)
             mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
+            if request.instance_id and request.instance_id != self.config.instance_id:
+                # First: a restarted shim is EMPTY too, and "wrong state" would hide the cause.
+                raise FailedPreconditionError(
+                    f"this shim is {self.config.instance_id!r}, the epoch was opened for "
+                    f"{request.instance_id!r} (restarted since InitCollective)",
+                    reason=Reason.MEMBERSHIP_CHANGED)
             with self._lock:
                 self._refuse_state("UpdateWeights", [pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
                 if self._busy:

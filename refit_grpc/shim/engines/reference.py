@@ -120,6 +120,10 @@ class ReferenceEngine(Engine):
         self._plan: RefitPlan | None = None
         self._digest: str | None = None
         self._receiving = False  # weights are mid-update: no digest of them is meaningful
+        # Store mode: the plan's tensors in one buffer in wire order (see _adopt_flat_layout).
+        self._flat: torch.Tensor | None = None
+        self._flat_digest = ""
+        self._flat_offsets: list[int] = []
 
     @property
     def world_size(self) -> int:
@@ -240,17 +244,58 @@ class ReferenceEngine(Engine):
             self._digest = None
             self._allocate(plan)
         try:
-            receive(group, plan, deadline, self._apply, on_bucket)
+            receive(group, plan, deadline, self._apply, on_bucket, land=self._land)
         finally:
             with self._lock:
                 self._digest = None
                 self._receiving = False
 
     def _allocate(self, plan: RefitPlan) -> None:
+        if self._model is None:
+            if self._flat_digest != plan.digest:
+                self._adopt_flat_layout(plan)
+            if self._flat is not None:
+                return
         for s in plan.tensors:
             have = self._weights.get(s.name)
             if have is None or tuple(have.shape) != s.shape or have.dtype != s.dtype:
                 self._weights[s.name] = torch.zeros(s.shape, dtype=s.dtype)
+
+    def _adopt_flat_layout(self, plan: RefitPlan) -> None:
+        """Store mode: hold the plan's tensors back to back in one buffer, in plan order (the
+        wire's layout), so buckets can be received in place (`_land`). Values of tensors the
+        old layout held with the same shape and dtype are kept. Where a tensor would start at an
+        offset its dtype cannot be viewed at, tensors stay separate and every bucket is copied."""
+        offsets, offset = [], 0
+        for spec in plan.tensors:
+            if offset % spec.dtype.itemsize:
+                self._flat, self._flat_digest, self._flat_offsets = None, plan.digest, []
+                return
+            offsets.append(offset)
+            offset += spec.nbytes
+        flat = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+        weights: dict[str, torch.Tensor] = {}
+        for spec, start in zip(plan.tensors, offsets):
+            view = flat[start:start + spec.nbytes].view(spec.dtype).view(spec.shape)
+            have = self._weights.get(spec.name)
+            if have is not None and tuple(have.shape) == spec.shape and have.dtype == spec.dtype:
+                view.copy_(have)
+            weights[spec.name] = view
+        self._weights, self._flat = weights, flat
+        self._flat_digest, self._flat_offsets = plan.digest, offsets
+
+    @property
+    def receives_in_place(self) -> bool:
+        """True when the current plan's tensors live in one buffer in wire order (store mode,
+        every tensor aligned): buckets after the first are then received straight into it."""
+        return self._flat is not None
+
+    def _land(self, bucket: Bucket) -> torch.Tensor | None:
+        """Where a bucket may be received in place: its slice of the flat store, if any."""
+        if self._flat is None:
+            return None
+        start = self._flat_offsets[bucket.start]
+        return self._flat[start:start + bucket.nbytes]
 
     def _apply(self, bucket: Bucket, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
         with torch.no_grad():
