@@ -1,0 +1,50 @@
+"""The driver owns what it starts: `Fleet.close()` ends open epochs and joins their threads, and
+properties do no I/O (the packing is negotiated by a method, never by an attribute read)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from refit_grpc import Fleet, Packing, WorkerEndpoint
+from refit_grpc.shim.engines.reference import ReferenceEngine
+
+from support import fleet_mid_epoch, tensors_v
+
+
+def epoch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("epoch-v")]
+
+
+def test_close_ends_an_open_epoch_and_joins_its_threads(shim):
+    shims = [shim(ReferenceEngine(model=None)) for _ in range(2)]
+    fleet = Fleet([WorkerEndpoint(f"w{i}", s.address) for i, s in enumerate(shims)],
+                  packing=Packing(4096, 2), epoch_timeout_s=60)
+    link, handle = fleet_mid_epoch(fleet, tensors_v(2), 2, committed=tensors_v(1))
+    assert len(epoch_threads()) == 2 and not handle.closed
+    # The group stays up and nothing is sent: without close() the streams would wait out the
+    # 60 s epoch deadline.
+    t0 = time.monotonic()
+    fleet.close()
+    assert handle.closed and time.monotonic() - t0 < 10
+    assert epoch_threads() == []
+    link.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        fleet.update_weights(3)
+
+
+def test_sender_spec_does_no_io_and_negotiation_is_explicit(shim):
+    s = shim(ReferenceEngine(model=None, packing=Packing(8192, 3)))
+    # Nothing listens at port 1: a property that made an RPC would fail or hang here.
+    unreachable = Fleet([WorkerEndpoint("w", "127.0.0.1:1")])
+    with pytest.raises(RuntimeError, match="packing is not known yet"):
+        _ = unreachable.sender_spec
+    unreachable.close()
+    fleet = Fleet([WorkerEndpoint("w", s.address)])
+    try:
+        assert fleet.negotiate_packing() == Packing(8192, 3)
+        assert fleet.sender_spec == Packing(8192, 3)
+    finally:
+        fleet.close()
