@@ -204,7 +204,9 @@ class VLLMEngine(Engine):
             shape = index.get(s.name)
             if shape is None:
                 if s.name == "lm_head.weight" and self._tied_embeddings:
-                    continue  # tied to the embeddings: vLLM skips it, the trainer may send it
+                    # Tied: one parameter under two names (a checkpoint stores it once); the
+                    # trainer may send either or both (docs/vllm.md, Tied embeddings).
+                    continue
                 raise InvalidPlanError(
                     f"vLLM loads checkpoint names and {s.name!r} is not one of the "
                     f"{len(index)} tensors of {self._checkpoint_dir_used}",
@@ -586,7 +588,12 @@ def update_info_for(plan: RefitPlan, backend: str, timeout_s: float,
                     abort_key: str | None = None) -> dict[str, Any]:
     """`update_info` of /update_weights: the plan in vLLM's field names; the gloo backend also
     takes this epoch's deadline, the plan digest (it refuses a plan that would cut buckets
-    differently from the sender's) and the key that aborts it."""
+    differently from the sender's) and the key that aborts it.
+
+    Every plan tensor is named, `lm_head.weight` of a tied model included: the receiver cuts
+    the broadcast bytes by these names and shapes (vLLM's nccl consumer as well), so a dropped
+    name would shift every tensor after it. Which of a tied parameter's two names is loaded is
+    the worker's decision (docs/vllm.md, Tied embeddings)."""
     info: dict[str, Any] = {"names": [s.name for s in plan.tensors],
                             "dtype_names": [DTYPE_NAMES[s.dtype] for s in plan.tensors],
                             "shapes": [list(s.shape) for s in plan.tensors]}
