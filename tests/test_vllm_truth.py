@@ -5,7 +5,7 @@ token) must equal transformers' `log_softmax` of the same weights' logits at eve
 after each of several refits through a real shim (`Fleet.refit`), and must have moved between
 versions by far more than the tolerance (a refit that changed nothing would pass otherwise).
 Greedy tokens are checked too, as the weaker check they are: with a stale output projection they
-still matched in most versions.
+still matched in two of three versions.
 
 Architectures, one vLLM server each, reused across its versions:
 (a) tied embeddings, GQA, q/k/v biases (Qwen2-style), the trainer sending each tensor once
@@ -15,7 +15,8 @@ Architectures, one vLLM server each, reused across its versions:
 (c) the untied tiny Llama of the other vLLM tests;
 (d) (a) served in bfloat16.
 
-At most two servers run at once: (a)-(c) boot together, (d) boots while (c) runs.
+At most two servers run at once: the servers of (a)/(b) and (c) boot together, (d)'s boots
+while (c) runs.
 """
 
 from __future__ import annotations
