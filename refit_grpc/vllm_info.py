@@ -62,7 +62,12 @@ def update_info_for(plan: RefitPlan, backend: str, timeout_s: float | None = Non
     """`update_info` of /update_weights: the plan in vLLM's field names (all vLLM's nccl backend
     takes); the gloo backend also takes this epoch's deadline (else its init timeout applies),
     the plan digest (it refuses a plan that would cut buckets differently from the sender's) and
-    the key that aborts it."""
+    the key that aborts it.
+
+    Every plan tensor is named, `lm_head.weight` of a tied model included: the receiver cuts
+    the broadcast bytes by these names and shapes (vLLM's nccl consumer as well), so a dropped
+    name would shift every tensor after it. Which of a tied parameter's two names is loaded is
+    the worker's decision (docs/vllm.md, Tied embeddings)."""
     info: dict[str, Any] = {"names": [s.name for s in plan.tensors],
                             "dtype_names": [dtype_name(s.dtype) for s in plan.tensors],
                             "shapes": [list(s.shape) for s in plan.tensors]}

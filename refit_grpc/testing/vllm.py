@@ -364,3 +364,14 @@ def measure_refit_cycles(url: str, fleet, plan, make_weights, first_version: int
             group.close()
             http_json("POST", url, "/shutdown_weight_transfer_engine")
     return times
+
+
+def toy_batch(vocab: int, batch: int, length: int, gen) -> Any:
+    """Sequences with t[i+1] = (5 * t[i] + 3) mod vocab: a pattern a few steps begin to learn."""
+    import torch
+
+    start = torch.randint(3, vocab, (batch, 1), generator=gen)
+    seq = [start]
+    for _ in range(length - 1):
+        seq.append((5 * seq[-1] + 3) % vocab)
+    return torch.cat(seq, dim=1)

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from refit_grpc.testing.ports import free_port
 from refit_grpc.testing.vllm import (
@@ -33,18 +32,8 @@ from refit_grpc.testing.vllm import (
     complete,
     hf_greedy,
     load_hf_model,
+    toy_batch,
 )
-
-
-def toy_batch(vocab: int, batch: int, length: int, gen) -> Any:
-    """Sequences with t[i+1] = (5 * t[i] + 3) mod vocab: a pattern a few steps begin to learn."""
-    import torch
-
-    start = torch.randint(3, vocab, (batch, 1), generator=gen)
-    seq = [start]
-    for _ in range(length - 1):
-        seq.append((5 * seq[-1] + 3) % vocab)
-    return torch.cat(seq, dim=1)
 
 
 def run_demo(engines: int = 2, steps: int = 3, train_steps: int = 5, gen_tokens: int = 12,

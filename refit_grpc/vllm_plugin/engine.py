@@ -16,7 +16,11 @@ Loading is vLLM's layerwise reload, as its own NCCL backend does: `initialize_la
   receive reuses its bucket buffers, so every tensor is copied out of the buffer before loading;
 - a failed receive leaves some layers on the meta device and vLLM drops the session, so the next
   forward would kill the EngineCore: the session is rolled back (partially loaded layers get their
-  old kernel tensors back; completed layers keep the new weights) before the error propagates.
+  old kernel tensors back; completed layers keep the new weights) before the error propagates;
+- a tied output projection (`tie_word_embeddings`: `lm_head` shares `embed_tokens`' parameter)
+  is re-processed from the embedding once the session ends (`TiedHead`): on CPU vLLM computes
+  logits from a repacked copy of the weight, which the layerwise reload does not rebuild for a
+  layer that received nothing, so the engine kept serving the old output projection.
 
 The error of a failed update starts with `refit_grpc[applied=A/B]`: A buckets of B reached the
 model. With A == 0 the rollback restored every layer, so the weights are the old ones; the shim
@@ -39,6 +43,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
 )
 
 from refit_grpc.collective import Group, receive
@@ -136,6 +145,7 @@ class RefitGlooWeightTransferEngine(
         self._applied = 0  # buckets handed to load_weights in the current update
         self._total = 0
         self._abort_store: dist.Store | None = None
+        self._tied: list[TiedHead] = []
 
     # --- group -----------------------------------------------------------------------------
 
@@ -169,6 +179,8 @@ class RefitGlooWeightTransferEngine(
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        # Found now: inside the session every layer holds its own meta tensor, the tie is gone.
+        self._tied = tied_heads(self.model)
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -205,12 +217,20 @@ class RefitGlooWeightTransferEngine(
         self._total = len(plan.buckets)
         self.last_stats = {"buckets": len(plan.buckets), "bytes": plan.total_bytes}
         deadline = Deadline(update_info.timeout_s or info.timeout_s)
+        routes = TiedRoutes(self._tied, {s.name for s in plan.tensors})
 
         def apply(bucket: Bucket, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
             # Counted before loading: a bucket that fails halfway may have completed layers.
             self._applied += 1
-            with torch.no_grad():
-                self.model.load_weights([(spec.name, _owned(spec, raw)) for spec, raw in tensors])
+            loads = []
+            for spec, raw in tensors:
+                tensor = _owned(spec, raw)
+                name = routes.load_as(spec.name, tensor)
+                if name is not None:
+                    loads.append((name, tensor))
+            if loads:
+                with torch.no_grad():
+                    self.model.load_weights(loads)
 
         watcher = (_AbortWatcher(self._store(info), update_info.abort_key, deadline.cancel)
                    if update_info.abort_key else None)
@@ -239,7 +259,14 @@ class RefitGlooWeightTransferEngine(
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        for tie in self._tied:
+            tie.expect_nothing_of_its_own()
         finalize_layerwise_reload(self.model, self.model_config)
+        self._refresh_tied_heads()
+
+    def _refresh_tied_heads(self) -> None:
+        for tie in self._tied:
+            tie.refresh()
 
     def _rollback_layerwise_reload(self) -> int:
         """End the layerwise session after a failure; returns how many partly loaded layers got
@@ -258,12 +285,129 @@ class RefitGlooWeightTransferEngine(
                 info.load_numel = 0
                 partial += 1
         try:
+            for tie in self._tied:
+                tie.expect_nothing_of_its_own()
             finalize_layerwise_reload(self.model, self.model_config)
+            # A completed embedding keeps its new values: its tied head must follow it.
+            self._refresh_tied_heads()
         except Exception:  # noqa: BLE001  (the original error is what the caller must see)
             log.exception("refit_grpc gloo: rollback of the layerwise reload failed")
         log.warning("refit_grpc gloo: update failed after %d buckets; layerwise reload rolled "
                     "back (%d partly loaded layers restored)", self._applied, partial)
         return partial
+
+
+@dataclass
+class TiedHead:
+    """An output projection tied to an input embedding: one parameter, two layers.
+
+    After a layerwise reload vLLM hands both layers that parameter back with the new values, but
+    only a layer that received weights is re-processed. On CPU, processing an embedding-shaped
+    layer (`UnquantizedEmbeddingMethod.process_weights_after_loading`) builds `cpu_linear` from a
+    repacked copy of the weight, and logits come from that copy: without `refresh` the head kept
+    the copy made from the previous embedding.
+    """
+
+    head_name: str         # parameter names as the model loads them, e.g. "lm_head.weight" ...
+    embedding_name: str    # ... and "model.embed_tokens.weight"
+    head: ParallelLMHead
+    embedding: VocabParallelEmbedding
+
+    def expect_nothing_of_its_own(self) -> None:
+        """Before finalize: a head that received nothing is not a failed load (vLLM would log
+        "Failed to load weights" at every refit), its tensor is the embedding's."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        info = LAYERWISE_INFO.get(self.head)
+        if info is not None and info.can_load() and info.load_numel == 0:
+            info.load_numel_total = 0
+
+    def refresh(self) -> None:
+        """After finalize: the head holds exactly the embedding's parameter, processed anew."""
+        weight = self.embedding._parameters.get("weight")
+        if weight is None or weight.is_meta:
+            return  # the embedding itself was not restored; nothing sound to tie to
+        if self.head._parameters.get("weight") is not weight:
+            # vLLM gives both layers the same kernel tensor back today; should a later version
+            # not, the head would serve a tensor no load ever reaches.
+            self.head.weight = weight
+        method = getattr(self.head, "quant_method", None)
+        if isinstance(method, UnquantizedEmbeddingMethod):
+            method.process_weights_after_loading(self.head)
+        else:
+            log.warning("refit_grpc gloo: %s is tied to %s but quantized (%s): not re-processed "
+                        "after a refit", self.head_name, self.embedding_name,
+                        type(method).__name__)
+
+
+def tied_heads(model: torch.nn.Module) -> list[TiedHead]:
+    """Every `ParallelLMHead` whose weight is an input embedding's weight (the same Parameter,
+    as `tie_weights` makes it), with both parameter names."""
+    embeddings: dict[int, tuple[str, VocabParallelEmbedding]] = {}
+    heads: list[tuple[str, ParallelLMHead]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, ParallelLMHead):
+            heads.append((name, module))
+        elif isinstance(module, VocabParallelEmbedding):
+            weight = module._parameters.get("weight")
+            if weight is not None:
+                embeddings[id(weight)] = (name, module)
+    found = []
+    for name, head in heads:
+        weight = head._parameters.get("weight")
+        match = embeddings.get(id(weight)) if weight is not None else None
+        if match is not None:
+            found.append(TiedHead(_param_name(name), _param_name(match[0]), head, match[1]))
+    return found
+
+
+def _param_name(module_name: str) -> str:
+    return f"{module_name}.weight" if module_name else "weight"
+
+
+class TiedRoutes:
+    """Which name each received tensor is loaded under, for a model with tied heads.
+
+    The tie means one tensor, so one of the two names is loaded. When a plan names both, the
+    embedding wins and the head's copy is only checked against it (a mismatch fails the update:
+    the engine cannot serve two different matrices through one parameter); vLLM's own
+    checkpoint loader does the same (`AutoWeightsLoader` skips the second name of a tied
+    parameter). A plan with the head's name alone is loaded as the embedding.
+    """
+
+    def __init__(self, tied: list[TiedHead], plan_names: set[str]):
+        self._skip: dict[str, str] = {}      # head name -> embedding name, both in the plan
+        self._rename: dict[str, str] = {}    # head name -> embedding name, head alone
+        for tie in tied:
+            if tie.head_name not in plan_names:
+                continue
+            if tie.embedding_name in plan_names:
+                self._skip[tie.head_name] = tie.embedding_name
+            else:
+                self._rename[tie.head_name] = tie.embedding_name
+        self._pairs = {n: k for k, n in self._skip.items()} | {k: k for k in self._skip}
+        self._first: dict[str, tuple[str, torch.Tensor]] = {}  # pair key -> first arrival
+
+    def load_as(self, name: str, tensor: torch.Tensor) -> str | None:
+        """The name to load `tensor` under, or None to not load it."""
+        if name in self._rename:
+            return self._rename[name]
+        key = self._pairs.get(name)
+        if key is not None:
+            first = self._first.pop(key, None)
+            if first is None:
+                self._first[key] = (name, tensor)  # a reference: the owned copy, no new one
+            else:
+                _check_same(first, (name, tensor))
+        return None if name in self._skip else name
+
+
+def _check_same(a: tuple[str, torch.Tensor], b: tuple[str, torch.Tensor]) -> None:
+    (na, ta), (nb, tb) = a, b
+    if ta.shape != tb.shape or not torch.equal(ta, tb.to(ta.dtype)):
+        raise ValueError(f"{na} and {nb} are one tied parameter in this engine's model, but "
+                         "the trainer sent two different tensors; send the same tensor, or "
+                         "one of the two names")
 
 
 def _owned(spec: TensorSpec, raw: torch.Tensor) -> torch.Tensor:

@@ -155,7 +155,9 @@ class VLLMEngine(Engine):
             shape = index.shapes.get(s.name)
             if shape is None:
                 if s.name == "lm_head.weight" and index.tied_embeddings:
-                    continue  # tied to the embeddings: vLLM skips it, the trainer may send it
+                    # Tied: one parameter under two names (a checkpoint stores it once); the
+                    # trainer may send either or both (docs/vllm.md, Tied embeddings).
+                    continue
                 raise InvalidPlanError(
                     f"vLLM loads checkpoint names and {s.name!r} is not one of the "
                     f"{len(index.shapes)} tensors of {index.directory}",

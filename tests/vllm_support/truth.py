@@ -1,0 +1,206 @@
+"""Teacher-forced truth for a real vLLM: what the engine computes for every position of a fixed
+sequence, next to what transformers computes with the same weights.
+
+Greedy tokens only compare argmaxes: a wrong output projection, a stale copy of one matrix or a
+half-applied refit can leave them unchanged. The log-probability of each actual next token of a
+sequence (vLLM's `prompt_logprobs`, transformers' `log_softmax` of the logits) is a number per
+position that moves with every weight, so comparing those is the check here.
+
+The Llama model and its tokenizer, the server launcher and the completions helpers are the
+harness's (`refit_grpc.testing.vllm`); this adds a tied-embedding Qwen2-style model (GQA, q/k/v biases)
+next to it, the two sides' log-probabilities, and the trainer's plain SGD step.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from refit_grpc.testing.vllm import SERVED_MODEL, VLLMServer, http_json, toy_batch
+
+# 26 tokens. The first 20 follow the toy pattern the trainer learns (t[i+1] = 5 t[i] + 3 mod 512),
+# so the log-probabilities move with training; the last 6 do not, so they are not all
+# predictable ones.
+SEQUENCE = [7]
+for _ in range(19):
+    SEQUENCE.append((5 * SEQUENCE[-1] + 3) % 512)
+SEQUENCE += [11, 400, 3, 250, 77, 9]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tiny_qwen2_config(vocab_size: int = 512):
+    """Qwen2: tied embeddings, GQA (4 query heads, 2 key/value heads), biases on q/k/v. Head
+    size 128 / 4 = 32 (vLLM's CPU attention supports 32, 64, 80, ...)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+                       tie_word_embeddings=True, use_sliding_window=False,
+                       torch_dtype="float32")
+
+
+def build_tiny_qwen2(out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0) -> Path:
+    """A random tiny tied-embedding Qwen2 next to a copy of `tokenizer_dir`'s tokenizer. The
+    checkpoint has no `lm_head.weight` (transformers saves a tied tensor once), so vLLM ties."""
+    from transformers import Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        src = Path(tokenizer_dir) / name
+        if src.is_file():
+            shutil.copy(src, out / name)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(tiny_qwen2_config()).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def hf_logprobs(model, sequence: Sequence[int] = SEQUENCE) -> torch.Tensor:
+    """log p(sequence[i] | sequence[:i]) for i = 1 .. n-1, from one transformers forward (in the
+    model's own dtype; log_softmax in float64)."""
+    ids = torch.tensor([list(sequence)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].double()
+    return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+
+
+def engine_logprobs(url: str, sequence: Sequence[int] = SEQUENCE,
+                    timeout_s: float = 60.0) -> torch.Tensor:
+    """The same numbers from vLLM: /v1/completions with `prompt_logprobs`. vLLM answers one entry
+    per prompt position (None for the first), each a dict token id -> {"logprob", ...} of the
+    top-k tokens plus the prompt's own token, which is always included."""
+    status, body = http_json("POST", url, "/v1/completions", {
+        "model": SERVED_MODEL, "prompt": list(sequence), "max_tokens": 1, "temperature": 0,
+        "prompt_logprobs": 1}, timeout_s)
+    if status != 200:
+        raise RuntimeError(f"/v1/completions on {url}: HTTP {status}: {body}")
+    entries = body["choices"][0]["prompt_logprobs"]
+    if len(entries) != len(sequence) or entries[0] is not None:
+        raise RuntimeError(f"prompt_logprobs: {len(entries)} entries for {len(sequence)} "
+                           f"tokens, first {entries[0]!r}")
+    return torch.tensor([float(entry[str(tok)]["logprob"])
+                         for entry, tok in zip(entries[1:], sequence[1:])], dtype=torch.float64)
+
+
+def sgd_step(model, lr: float, gen: torch.Generator, batch: int = 8, length: int = 32) -> float:
+    """One plain SGD step of the trainer on the toy pattern; every parameter moves, the tied
+    embedding included. Returns the loss."""
+    model.train()
+    seqs = toy_batch(model.config.vocab_size, batch, length, gen)
+    loss = model(seqs, labels=seqs).loss
+    model.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+    model.eval()
+    return loss.item()
+
+
+def state_dict_to_send(model, with_lm_head: bool, dtype: torch.dtype | None = None) -> dict:
+    """What a trainer sends: transformers' state dict names a tied output projection twice
+    (`lm_head.weight` and `model.embed_tokens.weight`, one tensor); `with_lm_head=False` drops
+    the alias, as a trainer that sends each tensor once does."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and not with_lm_head:
+            continue
+        t = t.detach()
+        out[name] = (t.to(dtype) if dtype is not None else t).contiguous().clone()
+    return out
+
+
+class Rig:
+    """One vLLM server of one model and dtype, a real `refit-grpc shim --engine vllm` process in
+    front of it and a one-worker `Fleet`. `start` only launches the server (so two can boot at
+    once), `ready` waits for it and starts the shim; the server goes into `pool.started`, whose
+    teardown proves no process of it survived."""
+
+    def __init__(self, pool, name: str, model_dir: Path, dtype: str = "float32",
+                 buffer_size_bytes: int = 256 * 1024, epoch_timeout_s: float = 60.0):
+        self.pool, self.name, self.model_dir, self.dtype = pool, name, model_dir, dtype
+        self.buffer_size_bytes = buffer_size_bytes
+        self.epoch_timeout_s = epoch_timeout_s
+        self.server: VLLMServer | None = None
+        self.shim = None
+        self.fleet = None
+        self._link = None
+        self._link_info: list | None = None
+
+    def start(self) -> Rig:
+        # vllm_command passes --dtype float32; vLLM's parser lets the later --dtype win.
+        extra = () if self.dtype == "float32" else ("--dtype", self.dtype)
+        self.server = VLLMServer(self.model_dir, log_path=self.pool.log_dir / f"{self.name}.log",
+                                 extra_args=extra)
+        self.pool.started.append(self.server)
+        self.server.start()
+        return self
+
+    def ready(self, timeout_s: float = 300.0) -> Rig:
+        from refit_grpc.driver import Fleet, WorkerEndpoint
+        from refit_grpc.shim.process import spawn_shim
+
+        if self.server is None:
+            self.start()
+        if self.shim is None:
+            self.server.wait_ready(timeout_s)
+            self.shim = spawn_shim("--engine", "vllm", "--engine-url", self.server.url,
+                                   "--instance-id", self.name, "--buffer-size-bytes",
+                                   str(self.buffer_size_bytes), "--num-buffers", "2",
+                                   "--max-epoch-s", str(self.epoch_timeout_s))
+            self.fleet = Fleet([WorkerEndpoint(self.shim.instance_id, self.shim.address)],
+                               control_timeout_s=30, join_timeout_s=60,
+                               epoch_timeout_s=self.epoch_timeout_s)
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def refit(self, tensors: dict, version: int):
+        """One `Fleet.refit` (with its Flush); a new plan, or a failed epoch, forms a new group
+        first."""
+        from refit_grpc.testing.ports import free_port
+
+        info = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+        if self._link is None or info != self._link_info:
+            self._close_link()
+            self.fleet.prepare({n: (shape, dtype) for n, shape, dtype in info})
+            self._link, self._link_info = self.fleet.connect("127.0.0.1", free_port()), info
+        try:
+            return self.fleet.refit(self._link, tensors, version=version)
+        except BaseException:
+            self._close_link()
+            raise
+
+    def _close_link(self) -> None:
+        link, self._link, self._link_info = self._link, None, None
+        if link is not None:
+            link.close()
+
+    def close(self) -> list[int]:
+        """Stop fleet, shim and server (again: a no-op); returns the pids of the server that
+        survived."""
+        self._close_link()
+        fleet, shim, self.fleet, self.shim = self.fleet, self.shim, None, None
+        if fleet is not None:
+            fleet.close()
+        if shim is not None:
+            shim.stop()
+        if self.server is None:
+            return []
+        self.server.stop()
+        return self.server.group_pids()
