@@ -15,7 +15,7 @@ from refit_grpc import ChannelSecurity, Fleet, Packing, WorkerEndpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.proto import pb, pb_grpc
 
-from conftest import free_port
+from support import free_port, info
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -114,7 +114,7 @@ def test_a_whole_epoch_over_mtls_and_token(secure_shim, pki):
     weights = {"w": torch.randn(1000), "b": torch.randn(10).to(torch.bfloat16)}
     with Fleet([WorkerEndpoint(secure_shim.instance_id, secure_shim.address)],
                packing=Packing(1024, 2), security=_security(pki)) as fleet:
-        fleet.prepare({n: (t.shape, t.dtype) for n, t in weights.items()})
+        fleet.prepare(info(weights))
         link = fleet.connect("127.0.0.1", free_port())
         assert fleet.refit(link, weights, version=1).version == 1
         link.close()

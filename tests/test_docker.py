@@ -23,7 +23,7 @@ import yaml
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.shim.process import READY_PREFIX
 
-from conftest import free_port
+from support import free_port
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 BIN = Path(sys.executable).parent

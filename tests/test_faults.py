@@ -19,7 +19,7 @@ from refit_grpc.common import Deadline
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb, pb_grpc
 
-from conftest import free_port
+from support import describe_or_none, fleet_mid_epoch, free_port, info
 
 pytestmark = pytest.mark.slow
 
@@ -31,23 +31,11 @@ def big_weights(version: int, mib: int = 24) -> dict[str, torch.Tensor]:
     return {f"layer.{i}": torch.randn(256 * 1024, generator=g) for i in range(mib)}
 
 
-def info(tensors):
-    return {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
-
-
-def describe(address: str, timeout: float = 3.0) -> pb.DescribeResponse | None:
-    try:
-        with grpc.insecure_channel(address) as ch:
-            return pb_grpc.RefitServiceStub(ch).Describe(pb.DescribeRequest(), timeout=timeout)
-    except grpc.RpcError:
-        return None
-
-
 def wait_not_receiving(addresses: list[str], limit_s: float) -> float:
     """Seconds until no shim reports RECEIVING (fails past limit_s)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit_s:
-        ds = [describe(a) for a in addresses]
+        ds = [describe_or_none(a) for a in addresses]
         if all(d is not None and d.state != pb.SHIM_STATE_RECEIVING for d in ds):
             return time.monotonic() - t0
         time.sleep(0.05)
@@ -58,7 +46,7 @@ def assert_survivors_safe(addresses: list[str]) -> list[int]:
     """Every survivor is out of RECEIVING; one that got bytes is BROKEN and stays paused."""
     states = []
     for a in addresses:
-        d = describe(a)
+        d = describe_or_none(a)
         assert d is not None
         assert d.state in (pb.SHIM_STATE_BROKEN, pb.SHIM_STATE_PREPARED), d
         if d.state == pb.SHIM_STATE_BROKEN:
@@ -86,11 +74,7 @@ def test_shim_sigkill_mid_broadcast(shim_procs):
     shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(3)]
     with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
                packing=Packing(BUCKET, 2), epoch_timeout_s=10) as fleet:
-        fleet.prepare(info(big_weights(1)))
-        link = fleet.connect("127.0.0.1", free_port())
-        fleet.refit(link, big_weights(1), version=1)
-        handle = fleet.update_weights(2)
-        handle.wait_accepted()
+        link, handle = fleet_mid_epoch(fleet, big_weights(2), 2, committed=big_weights(1))
         t0 = time.monotonic()
         killer = threading.Timer(0.02, shims[1].signal, args=(signal.SIGKILL,))
         killer.start()
@@ -109,7 +93,7 @@ def test_shim_sigkill_mid_broadcast(shim_procs):
             with pytest.raises(FleetError) as flush_error:
                 fleet.flush_cache()
             assert "BROKEN" in flush_error.value.reasons
-            assert all(describe(a).paused for a, s in zip(survivors, states)
+            assert all(describe_or_none(a).paused for a, s in zip(survivors, states)
                        if s == pb.SHIM_STATE_BROKEN)
         # The killed shim comes back on the same address as a new instance.
         shims[1] = shim_procs("--model", "none", "--instance-id", "w1",
@@ -125,11 +109,7 @@ def test_shim_frozen_longer_than_the_deadline(shim_procs):
     epoch_s = 4.0
     with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
                packing=Packing(BUCKET, 2), epoch_timeout_s=epoch_s, control_timeout_s=3) as fleet:
-        fleet.prepare(info(big_weights(1)))
-        link = fleet.connect("127.0.0.1", free_port())
-        fleet.refit(link, big_weights(1), version=1)
-        handle = fleet.update_weights(2)
-        handle.wait_accepted()
+        link, handle = fleet_mid_epoch(fleet, big_weights(2), 2, committed=big_weights(1))
         t0 = time.monotonic()
         shims[2].signal(signal.SIGSTOP)
         try:
@@ -184,7 +164,7 @@ def test_trainer_killed_mid_epoch(shim_procs):
         # arrived yet never started one and rightly stays READY (its group's master is gone; the
         # next trainer's InitCollective replaces it).
         while time.monotonic() < end:
-            if all((d := describe(a)) and d.state == pb.SHIM_STATE_RECEIVING for a in addresses):
+            if all((d := describe_or_none(a)) and d.state == pb.SHIM_STATE_RECEIVING for a in addresses):
                 break
         else:
             pytest.fail("never caught the trainer mid-epoch")
@@ -236,7 +216,7 @@ def test_a_thousand_concurrent_describes_during_an_epoch(shim_procs):
         link.close()
         assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
         assert codes.get("RESOURCE_EXHAUSTED", 0) > 0, codes
-        assert describe(shim.address).weight_version == 4
+        assert describe_or_none(shim.address).weight_version == 4
         assert rss_after - rss_before < 64, (rss_before, rss_after)
     print(f"\nLOAD 3x1000 Describe during epochs: {codes}; shim RSS {rss_before:.0f} -> "
           f"{rss_after:.0f} MB")
@@ -247,10 +227,7 @@ def test_sigterm_during_an_epoch_commits_within_grace_and_exits_zero(shim_procs)
     weights = big_weights(1)
     with Fleet([WorkerEndpoint("w0", shim.address)], packing=Packing(BUCKET, 2),
                epoch_timeout_s=30) as fleet, grpc.insecure_channel(shim.address) as ch:
-        fleet.prepare(info(weights))
-        link = fleet.connect("127.0.0.1", free_port())
-        handle = fleet.update_weights(1)
-        handle.wait_accepted()
+        link, handle = fleet_mid_epoch(fleet, weights, 1)
         shim.signal(signal.SIGTERM)
         health = health_pb2_grpc.HealthStub(ch)
         t0 = time.monotonic()

@@ -16,8 +16,9 @@ from refit_grpc import (
 )
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
+from refit_grpc.shim.engines.reference import ReferenceEngine
 
-from conftest import free_port
+from support import describe, fleet_mid_epoch, free_port, info, tensors_v
 
 BUFFER = 8 * 1024
 
@@ -43,10 +44,6 @@ def mixed_tensors(version: int) -> dict[str, torch.Tensor]:
             (torch.float32, torch.bfloat16, torch.int8)[i % 3]
             if i % 3 != 2 else torch.float32)
     return t
-
-
-def info(tensors):
-    return {n: (tuple(x.shape), x.dtype) for n, x in tensors.items()}
 
 
 @pytest.mark.slow
@@ -132,23 +129,25 @@ def test_restarted_worker_is_refused_by_membership_check(shim_procs):
         link.close()
 
 
-def test_validate_workers_hook_is_consulted():
+def test_validate_workers_hook_is_consulted(shim):
     calls = []
 
     def validate(md):
         calls.append(md)
         return [dict(m, instance_id=m["instance_id"] + "-restarted") for m in md]
 
-    fleet = Fleet([WorkerEndpoint("a", "127.0.0.1:1")], validate_workers=validate,
-                  packing=Packing(1024, 2))
-    fleet._plan = object()  # past prepare(); the hook runs before any RPC
-    with pytest.raises(MembershipChangedError):
-        fleet.init_collective("127.0.0.1", 1234, 2, train_world_size=1)
-    assert calls
-    fleet.close()
+    sh = shim(ReferenceEngine(model=None))
+    with Fleet([WorkerEndpoint("a", sh.address)], validate_workers=validate,
+               packing=Packing(1024, 2)) as fleet:
+        fleet.prepare(info(tensors_v(1)))  # a real plan on a real shim: past prepare()
+        assert not calls  # the hook guards the group, not the plan
+        with pytest.raises(MembershipChangedError):
+            fleet.init_collective("127.0.0.1", free_port(), 2, train_world_size=1)
+        assert calls == [[{"instance_id": "a", "address": sh.address}]]
+        assert sh.describe().state == pb.SHIM_STATE_PREPARED  # refused before any shim joined
 
 
-def test_fleet_surface_mirrors_the_seed():
+def test_fleet_surface_mirrors_the_seed(shim):
     import pickle
 
     fleet = Fleet([{"instance_id": "a", "address": "127.0.0.1:1"},
@@ -164,11 +163,16 @@ def test_fleet_surface_mirrors_the_seed():
         fleet.update_weights()
     with pytest.raises(ValueError):
         fleet.prepare(None)
-    fleet._plan = object()
-    with pytest.raises(ValueError):
-        fleet.init_collective("127.0.0.1", 1, 4, train_world_size=1)
     fleet.close()
     copy.close()
+    # Once prepared, init_collective checks the world: 1 trainer + 1 shim x 2 engine ranks.
+    sh = shim(ReferenceEngine(model=None))
+    with Fleet([WorkerEndpoint("a", sh.address)], engine_world_size=2,
+               packing=Packing(1024, 2)) as prepared:
+        prepared.prepare(info(tensors_v(1)))
+        with pytest.raises(ValueError):
+            prepared.init_collective("127.0.0.1", 1, 4, train_world_size=1)
+    assert sh.describe().state == pb.SHIM_STATE_PREPARED
 
 
 @pytest.mark.slow
@@ -183,10 +187,7 @@ def test_worker_killed_mid_epoch_fails_fast_naming_it(shim_procs):
     big = {f"t{i}": torch.randn(256 * 1024) for i in range(16)}  # 16 MiB in 1 MiB buckets
     with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
                packing=Packing(1 << 20, 2), epoch_timeout_s=20) as fleet:
-        fleet.prepare(info(big))
-        link = fleet.connect("127.0.0.1", free_port())
-        handle = fleet.update_weights(1)
-        handle.wait_accepted()
+        link, handle = fleet_mid_epoch(fleet, big, 1)
         shims[1].signal(signal.SIGKILL)
         t0 = time.monotonic()
         # The sender trips over the dead peer (a closed pair) or over the handle's failure flag,
@@ -199,9 +200,8 @@ def test_worker_killed_mid_epoch_fails_fast_naming_it(shim_procs):
         assert time.monotonic() - t0 < 10, "survivors must not wait out the 20 s deadline"
         assert e.value.workers[0] == "w1", str(e.value)
         assert e.value.failures[0].code.name == "UNAVAILABLE"
-        survivors = [fleet._workers[i] for i in (0, 2)]
-        for w in survivors:
-            d = w.stub.Describe(pb.DescribeRequest(), timeout=5)
+        for survivor in (shims[0], shims[2]):
+            d = describe(survivor.address, timeout_s=5)
             # Nobody is left receiving; whoever got bytes is BROKEN and paused.
             assert d.state in (pb.SHIM_STATE_BROKEN, pb.SHIM_STATE_PREPARED)
             assert d.paused == (d.state == pb.SHIM_STATE_BROKEN)

@@ -45,9 +45,11 @@ from refit_grpc import (
 from refit_grpc.collective import Sender
 from refit_grpc.driver.links import GlooLink
 from refit_grpc.plan import weights_digest
-from refit_grpc.proto import pb, pb_grpc
+from refit_grpc.proto import pb
 from refit_grpc.shim.process import READY_PREFIX, ShimProcess
 from refit_grpc.testing.ports import free_port
+
+from support import describe, info
 
 pytestmark = pytest.mark.slow
 
@@ -240,22 +242,13 @@ def netns_shims(net, tmp_path):
 # --- observing the fleet ------------------------------------------------------------------------
 
 
-def _describe(address: str, token: str, timeout_s: float = 2.0) -> pb.DescribeResponse:
-    """Describe over a fresh channel: measures the shim, not a driver connection stalled by the
-    outage (a TCP connection that lost packets waits out its retransmission backoff)."""
-    with grpc.insecure_channel(address) as ch:
-        return pb_grpc.RefitServiceStub(ch).Describe(
-            pb.DescribeRequest(), timeout=timeout_s,
-            metadata=(("authorization", f"Bearer {token}"),))
-
-
 def _settled(address: str, token: str, until: float) -> tuple[pb.DescribeResponse, float]:
     """Poll Describe until the shim is not RECEIVING (or `until` passes); (last answer, when)."""
     last: pb.DescribeResponse | None = None
     error: grpc.RpcError | None = None
     while True:
         try:
-            last = _describe(address, token, timeout_s=max(min(2.0, until - time.monotonic()), 0.2))
+            last = describe(address, max(min(2.0, until - time.monotonic()), 0.2), token)
             if last.state != pb.SHIM_STATE_RECEIVING:
                 return last, time.monotonic()
         except grpc.RpcError as e:
@@ -277,10 +270,6 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
         t[f"l{i}.q"] = torch.randint(-128, 127, (512, 128), generator=g, dtype=torch.int8)
         t[f"l{i}.n"] = torch.randn(7, generator=g).to(torch.float16)
     return t
-
-
-def _info(tensors: dict[str, torch.Tensor]) -> dict:
-    return {n: (tuple(x.shape), x.dtype) for n, x in tensors.items()}
 
 
 class _CutMidBroadcast(Sender):
@@ -355,7 +344,7 @@ def _run_phases(fleet: Fleet, net: Net, shims: list[NetnsShim], token: str,
     """Healthy epoch; link cut mid-broadcast; checks on every host; flush refused; recovery."""
     victim = shims[CUT]
     t1 = _weights(1)
-    plan = fleet.prepare(_info(t1))
+    plan = fleet.prepare(info(t1))
     assert len(plan.buckets) >= 20 and plan.total_bytes > 4 << 20
 
     # 1. A healthy epoch across the hosts, byte-exact.
@@ -437,7 +426,7 @@ def _run_phases(fleet: Fleet, net: Net, shims: list[NetnsShim], token: str,
         "channel still sits on the TCP connection that lost packets during the cut, behind "
         "the retransmission backoff (no gRPC keepalive to replace it): " + str(fe.value))
     for s in shims:
-        d = _describe(s.shim.address, token)
+        d = describe(s.shim.address, 2.0, token)
         if d.instance_id in broken:
             assert d.state == pb.SHIM_STATE_BROKEN and d.paused, (d.instance_id, d.state)
 

@@ -14,27 +14,13 @@ from refit_grpc.common import Deadline
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.plan import Packing, RefitPlan
-from refit_grpc.proto import DTYPE_TO_PROTO, pb, ref_pb, ref_pb_grpc
+from refit_grpc.proto import pb, ref_pb, ref_pb_grpc
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.service import ShimConfig
 
-from conftest import free_port, join_trainer
+from support import Epoch, free_port, full_epoch, join, prepare_request, tensors_v
 
 S = pb.ShimState
-
-
-def tensors_v(version: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(version)
-    return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g),
-            "mask": torch.rand(100, generator=g) > 0.5}
-
-
-def prepare_request(tensors, packing=Packing(4096, 2)) -> pb.PrepareRequest:
-    return pb.PrepareRequest(
-        tensors=[pb.TensorSpec(name=n, shape=t.shape, dtype=DTYPE_TO_PROTO[t.dtype])
-                 for n, t in tensors.items()],
-        packing=pb.Packing(buffer_size_bytes=packing.buffer_size_bytes,
-                           num_buffers=packing.num_buffers))
 
 
 def reason_of(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
@@ -48,55 +34,6 @@ def refused(call) -> tuple[grpc.StatusCode, str]:
         if hasattr(result, "__iter__") and not isinstance(result, pb.DescribeResponse):
             list(result)
     return reason_of(e.value)
-
-
-def join(sh, digest: str, group_id: str = "g1"):
-    """Join the shim (rank 1) and this test as trainer rank 0; returns the trainer's Group."""
-    port = free_port()
-    t, box = join_trainer(port, 2, group_id)
-    phases = [m.phase for m in sh.stub.InitCollective(pb.InitCollectiveRequest(
-        master_address="127.0.0.1", master_port=port, world_size=2, rank_offset=1,
-        backend=pb.BACKEND_GLOO, group_id=group_id, plan_digest=digest), timeout=20)]
-    t.join(20)
-    assert phases == [pb.INIT_COLLECTIVE_PHASE_ACCEPTED, pb.INIT_COLLECTIVE_PHASE_JOINED]
-    return box["group"]
-
-
-class Epoch:
-    """An UpdateWeights stream read on a thread."""
-
-    def __init__(self, sh, version, digest, group_id="g1", mode=pb.PAUSE_MODE_KEEP):
-        self.messages, self.error = [], None
-        self.accepted = threading.Event()
-        self.call = sh.stub.UpdateWeights(pb.UpdateWeightsRequest(
-            version=version, plan_digest=digest, group_id=group_id, pause_mode=mode), timeout=20)
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self):
-        try:
-            for m in self.call:
-                self.messages.append(m)
-                if m.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:
-                    self.accepted.set()
-        except grpc.RpcError as e:
-            self.error = e
-        finally:
-            self.accepted.set()
-
-    def join(self):
-        self.thread.join(20)
-        assert not self.thread.is_alive()
-        return self
-
-
-def full_epoch(sh, group, plan, tensors, version):
-    ep = Epoch(sh, version, plan.digest)
-    assert ep.accepted.wait(10) and ep.error is None
-    Sender(group, plan).send(tensors, Deadline(20))
-    ep.join()
-    assert ep.error is None, ep.error
-    return ep
 
 
 def test_describe_when_empty(shim):

@@ -73,11 +73,14 @@ def silent_server():
 
 
 class Scripted:
-    """A stand-in for vLLM's routes: answers (status, body) per path, records every request."""
+    """A stand-in for vLLM's routes: answers (status, body) per path, records every request. A
+    path in `held` is read and never answered (until close): an engine frozen inside that call."""
 
     def __init__(self):
         self.answers: dict[str, list[tuple[int, object]]] = {}
         self.requests: list[tuple[str, object]] = []
+        self.held: set[str] = set()
+        self.released = threading.Event()  # set by close(): held calls end unanswered
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -86,6 +89,10 @@ class Scripted:
                 body = json.loads(self.rfile.read(n)) if n else None
                 path = self.path.split("?")[0]
                 outer.requests.append((self.path, body))
+                if path in outer.held:
+                    outer.released.wait(60)
+                    self.close_connection = True
+                    return
                 queue = outer.answers.get(path) or [(200, {})]
                 status, reply = queue.pop(0) if len(queue) > 1 else queue[0]
                 data = json.dumps(reply).encode()
@@ -108,6 +115,7 @@ class Scripted:
         return [p.split("?")[0] for p, _ in self.requests]
 
     def close(self):
+        self.released.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -153,10 +161,10 @@ def test_a_frozen_engine_never_hangs_a_call(silent_server):
     assert time.monotonic() - t0 < 2.0
 
 
-def test_abort_cuts_a_blocked_join_short(silent_server):
-    engine = VLLMEngine(silent_server, request_timeout_s=5.0, abort_grace_s=0.2)
-    # Only the join itself is under test: skip the shutdown that precedes it.
-    engine._shutdown_transfer = lambda deadline, end_stale_update: None
+def test_abort_cuts_a_blocked_join_short(scripted):
+    # The engine answers the shutdown that precedes every join, then freezes inside the join.
+    scripted.held.add("/init_weight_transfer_engine")
+    engine = VLLMEngine(scripted.url, request_timeout_s=5.0, abort_grace_s=0.2)
     errors: list[BaseException] = []
     deadline = Deadline(30)
 
@@ -174,6 +182,7 @@ def test_abort_cuts_a_blocked_join_short(silent_server):
     t.join(5)
     assert not t.is_alive() and time.monotonic() - t0 < 1.5
     assert isinstance(errors[0], EpochAbortedError)
+    assert scripted.paths() == ["/shutdown_weight_transfer_engine", "/init_weight_transfer_engine"]
 
 
 def test_error_mapping_and_what_is_posted(scripted):

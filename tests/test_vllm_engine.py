@@ -17,6 +17,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from support import fleet_mid_epoch, info
 from vllm_support import require_vllm, tiny_model_dir
 from vllm_support.servers import ServerPool
 
@@ -29,7 +30,6 @@ from refit_grpc import (  # noqa: E402
     EpochFailedError,
     EpochRefusedError,
     Fleet,
-    PauseMode,
     WorkerEndpoint,
 )
 from refit_grpc.common import Deadline  # noqa: E402
@@ -94,10 +94,6 @@ def trainer():
                                                        model.state_dict().items()}}
 
 
-def plan_info(model) -> dict:
-    return {n: (t.shape, t.dtype) for n, t in model.state_dict().items()}
-
-
 def new_weights(base: dict, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     return {n: t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype)
@@ -139,7 +135,7 @@ def wait_health(address: str, want: int, timeout_s: float) -> float:
 def test_fleet_refits_versions_and_vllm_generates_like_transformers(server, fleet, trainer):
     assert complete(server.url, PROMPT, GEN)["token_ids"] == \
         expected_tokens(trainer, trainer["weights"])  # the same checkpoint on both sides
-    plan = fleet.prepare(plan_info(trainer["model"]))
+    plan = fleet.prepare(info(trainer["model"].state_dict()))
     assert len(plan.buckets) > 1
     link = fleet.connect("127.0.0.1", free_port())
     seen = []
@@ -168,7 +164,7 @@ def test_fleet_refits_versions_and_vllm_generates_like_transformers(server, flee
 def test_stale_version_is_refused_before_any_byte_and_old_weights_keep_serving(
         server, fleet, trainer):
     assert trainer["version"] >= 1, "runs after the refit test"
-    fleet.prepare(plan_info(trainer["model"]))
+    fleet.prepare(info(trainer["model"].state_dict()))
     link = fleet.connect("127.0.0.1", free_port())
     with pytest.raises(EpochRefusedError) as refused:
         fleet.refit(link, new_weights(trainer["weights"], seed=999), version=trainer["version"])
@@ -184,10 +180,10 @@ def test_a_peer_refusing_the_epoch_leaves_the_vllm_engine_serving_its_weights(
     (`applied=0`), so the shim returns to PREPARED and resumes the engine: not BROKEN."""
     other = spawn_shim("--engine", "reference", "--model", "none", "--instance-id", "ref-ahead",
                        "--buffer-size-bytes", str(BUFFER), "--num-buffers", "2")
-    info = plan_info(trainer["model"])
+    shapes = info(trainer["model"].state_dict())
     try:
         ahead = Fleet([WorkerEndpoint(other.instance_id, other.address)], epoch_timeout_s=30)
-        ahead.prepare(info)
+        ahead.prepare(shapes)
         link = ahead.connect("127.0.0.1", free_port())
         ahead.refit(link, trainer["weights"], version=trainer["version"] + 50, flush=False)
         link.close()
@@ -196,7 +192,7 @@ def test_a_peer_refusing_the_epoch_leaves_the_vllm_engine_serving_its_weights(
                       WorkerEndpoint(other.instance_id, other.address)],
                      control_timeout_s=30, join_timeout_s=60, epoch_timeout_s=EPOCH_S)
         try:
-            both.prepare(info)
+            both.prepare(shapes)
             link = both.connect("127.0.0.1", free_port())
             with pytest.raises(EpochRefusedError) as refused:
                 both.refit(link, new_weights(trainer["weights"], seed=4242),
@@ -215,10 +211,7 @@ def test_a_trainer_gone_before_the_first_byte_leaves_the_weights_intact(server, 
     """The shim is inside /update_weights when the trainer's end of the group closes, before any
     byte: vLLM's worker fails the receive, the gloo backend rolls its session back with
     `refit_grpc[applied=0/N]`, and the shim, reading that, resumes the engine (PREPARED)."""
-    fleet.prepare(plan_info(trainer["model"]))
-    link = fleet.connect("127.0.0.1", free_port())
-    handle = fleet.update_weights(trainer["version"] + 1, PauseMode.KEEP)
-    handle.wait_accepted()
+    link, handle = fleet_mid_epoch(fleet, trainer["weights"], trainer["version"] + 1)
     time.sleep(1.5)  # the shim posts /start_weight_update and /update_weights within ms
     t0 = time.monotonic()
     link.close()  # the trainer is gone; no byte was broadcast
@@ -235,10 +228,7 @@ def test_an_operator_abort_reaches_the_worker_while_the_trainer_stays_connected(
     """The trainer joined and stalls (sends nothing, keeps its end open). An operator's Abort
     must still free the engine: the shim sets the receive's abort key in the trainer's store,
     the worker gives up at once and rolls back, and the engine serves its weights again."""
-    fleet.prepare(plan_info(trainer["model"]))
-    link = fleet.connect("127.0.0.1", free_port())
-    handle = fleet.update_weights(trainer["version"] + 1, PauseMode.KEEP)
-    handle.wait_accepted()
+    link, handle = fleet_mid_epoch(fleet, trainer["weights"], trainer["version"] + 1)
     time.sleep(1.5)  # the shim is inside /update_weights
     t0 = time.monotonic()
     try:
@@ -308,7 +298,7 @@ def test_refit_cycle_through_the_shim_next_to_the_same_cycle_posted_directly(
         server, fleet, trainer):
     """docs/vllm.md reports these numbers: one full cycle (pause, start, update with the
     broadcast, finish, drain, reset the prefix cache, resume) both ways, on the same engine."""
-    plan = fleet.prepare(plan_info(trainer["model"]))
+    plan = fleet.prepare(info(trainer["model"].state_dict()))
     base, first, reps = trainer["weights"], trainer["version"] + 1, 5
     times = measure_refit_cycles(server.url, fleet, plan, lambda v: new_weights(base, seed=v),
                                  first, reps)
@@ -328,11 +318,9 @@ def test_refit_cycle_through_the_shim_next_to_the_same_cycle_posted_directly(
 
 def test_engine_killed_mid_receive_fails_typed_then_a_restart_is_refit_through_the_same_shim(
         pool, server, shim, fleet, trainer):
-    plan = fleet.prepare(plan_info(trainer["model"]))
-    link = fleet.connect("127.0.0.1", free_port())
     weights = new_weights(trainer["weights"], seed=trainer["version"] + 100)
-    handle = fleet.update_weights(trainer["version"] + 1, PauseMode.KEEP)
-    handle.wait_accepted()
+    link, handle = fleet_mid_epoch(fleet, weights, trainer["version"] + 1)
+    plan = fleet.plan
     killed_after = []
 
     def kill_mid_receive(bucket) -> None:
@@ -366,7 +354,7 @@ def test_engine_killed_mid_receive_fails_typed_then_a_restart_is_refit_through_t
     # A new vLLM on the same port: the shim sees it, and a full epoch makes it whole.
     restarted = pool.start(tiny_model_dir(), port=server.port)
     wait_health(shim.address, health_pb2.HealthCheckResponse.SERVING, 10)
-    fleet.prepare(plan_info(trainer["model"]))  # the same plan: allowed in BROKEN, a no-op
+    fleet.prepare(info(trainer["model"].state_dict()))  # the same plan: allowed in BROKEN, a no-op
     link = fleet.connect("127.0.0.1", free_port())
     try:
         version = trainer["version"] + 2

@@ -1,0 +1,199 @@
+"""Helpers shared by the test modules: plans from tensors, Describe over a fresh channel, a shim in
+this process, the trainer's end of a group, and a fleet brought to the middle of an epoch.
+
+Fixtures built on these live in conftest.py; test modules import helpers from here, never from
+one another.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import grpc
+import torch
+
+from refit_grpc import Fleet, PauseMode
+from refit_grpc.collective import Group, Sender
+from refit_grpc.common import Deadline, GroupSpec
+from refit_grpc.driver.epoch import EpochHandle
+from refit_grpc.driver.links import TrainerLink
+from refit_grpc.plan import Packing, RefitPlan
+from refit_grpc.proto import DTYPE_TO_PROTO, pb, pb_grpc
+from refit_grpc.shim.engines.base import Engine
+from refit_grpc.shim.engines.reference import ReferenceEngine
+from refit_grpc.shim.server import ServerOptions, ShimServer
+from refit_grpc.shim.service import ShimConfig
+from refit_grpc.testing.ports import free_port
+
+__all__ = ["Epoch", "InProcessShim", "ReadyShim", "describe", "describe_or_none", "fleet_mid_epoch",
+           "free_port", "full_epoch", "info", "join", "join_trainer", "prepare_request",
+           "start_ready_shim", "tensors_v"]
+
+
+# --- plans and Describe -----------------------------------------------------------------------
+
+
+def info(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """`{name: (shape, dtype)}` of a state dict, in its order: what `Fleet.prepare` takes."""
+    return {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+
+
+def describe(address: str, timeout_s: float = 3.0, token: str | None = None) -> pb.DescribeResponse:
+    """Describe over a fresh channel: it measures the shim, not a driver connection that an
+    outage left waiting out its reconnect backoff. Raises grpc.RpcError."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.RefitServiceStub(channel).Describe(pb.DescribeRequest(), timeout=timeout_s,
+                                                          metadata=metadata)
+
+
+def describe_or_none(address: str, timeout_s: float = 3.0) -> pb.DescribeResponse | None:
+    """`describe`, or None where the shim does not answer (killed, frozen, restarting)."""
+    try:
+        return describe(address, timeout_s)
+    except grpc.RpcError:
+        return None
+
+
+# --- a shim in this process -------------------------------------------------------------------
+
+
+class InProcessShim:
+    """A ShimServer in the test process (real gRPC on loopback) and a stub to it."""
+
+    def __init__(self, engine: Engine | None = None, config: ShimConfig | None = None):
+        self.engine = engine or ReferenceEngine()
+        self.server = ShimServer(self.engine, config or ShimConfig(max_epoch_s=20),
+                                 ServerOptions(address="127.0.0.1:0", grace_s=1)).start()
+        self.address = self.server.address
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.RefitServiceStub(self.channel)
+
+    def describe(self) -> pb.DescribeResponse:
+        return self.stub.Describe(pb.DescribeRequest(), timeout=5)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(1)
+
+
+def join_trainer(port: int, world_size: int, group_id: str, timeout_s: float = 20.0):
+    """Join as trainer rank 0 on a thread; returns (thread, box) where box['group'] is the Group."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["group"] = Group.join(GroupSpec("127.0.0.1", port, world_size, 0, "gloo",
+                                                group_id), timeout_s)
+        except Exception as e:  # noqa: BLE001  (the test asserts on it)
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def tensors_v(version: int) -> dict[str, torch.Tensor]:
+    """A small plan's tensors (float32 matrix and vector, a bool mask); values follow `version`."""
+    g = torch.Generator().manual_seed(version)
+    return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g),
+            "mask": torch.rand(100, generator=g) > 0.5}
+
+
+def prepare_request(tensors: Mapping[str, torch.Tensor],
+                    packing: Packing = Packing(4096, 2)) -> pb.PrepareRequest:
+    return pb.PrepareRequest(
+        tensors=[pb.TensorSpec(name=n, shape=t.shape, dtype=DTYPE_TO_PROTO[t.dtype])
+                 for n, t in tensors.items()],
+        packing=pb.Packing(buffer_size_bytes=packing.buffer_size_bytes,
+                           num_buffers=packing.num_buffers))
+
+
+def join(sh: InProcessShim, digest: str, group_id: str = "g1") -> Group:
+    """Join the shim (rank 1) and this test as trainer rank 0; returns the trainer's Group."""
+    port = free_port()
+    t, box = join_trainer(port, 2, group_id)
+    phases = [m.phase for m in sh.stub.InitCollective(pb.InitCollectiveRequest(
+        master_address="127.0.0.1", master_port=port, world_size=2, rank_offset=1,
+        backend=pb.BACKEND_GLOO, group_id=group_id, plan_digest=digest), timeout=20)]
+    t.join(20)
+    assert phases == [pb.INIT_COLLECTIVE_PHASE_ACCEPTED, pb.INIT_COLLECTIVE_PHASE_JOINED]
+    return box["group"]
+
+
+class Epoch:
+    """An UpdateWeights stream read on a thread."""
+
+    def __init__(self, sh: InProcessShim, version: int, digest: str, group_id: str = "g1",
+                 mode=pb.PAUSE_MODE_KEEP):
+        self.messages, self.error = [], None
+        self.accepted = threading.Event()
+        self.call = sh.stub.UpdateWeights(pb.UpdateWeightsRequest(
+            version=version, plan_digest=digest, group_id=group_id, pause_mode=mode), timeout=20)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for m in self.call:
+                self.messages.append(m)
+                if m.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:
+                    self.accepted.set()
+        except grpc.RpcError as e:
+            self.error = e
+        finally:
+            self.accepted.set()
+
+    def join(self) -> Epoch:
+        self.thread.join(20)
+        assert not self.thread.is_alive()
+        return self
+
+
+def full_epoch(sh: InProcessShim, group: Group, plan: RefitPlan, tensors, version: int) -> Epoch:
+    ep = Epoch(sh, version, plan.digest)
+    assert ep.accepted.wait(10) and ep.error is None
+    Sender(group, plan).send(tensors, Deadline(20))
+    ep.join()
+    assert ep.error is None, ep.error
+    return ep
+
+
+class ReadyShim:
+    """An in-process shim in READY at version 1 of `tensors_v(1)`, flushed, with a live group."""
+
+    def __init__(self, config: ShimConfig):
+        self.shim = InProcessShim(ReferenceEngine(model=None), config)
+        t1 = tensors_v(1)
+        self.plan = RefitPlan.from_tensors(t1.items(), Packing(4096, 2))
+        self.shim.stub.Prepare(prepare_request(t1), timeout=5)
+        self.group = join(self.shim, self.plan.digest, "g1")
+        full_epoch(self.shim, self.group, self.plan, t1, 1)
+        self.shim.stub.Flush(pb.FlushRequest(), timeout=5)
+
+    def close(self) -> None:
+        self.group.close()
+        self.shim.close()
+
+
+def start_ready_shim(config: ShimConfig | None = None) -> ReadyShim:
+    return ReadyShim(config or ShimConfig(max_epoch_s=20))
+
+
+# --- a fleet mid-epoch ------------------------------------------------------------------------
+
+
+def fleet_mid_epoch(fleet: Fleet, tensors: Mapping[str, torch.Tensor], version: int, *,
+                    committed: Mapping[str, torch.Tensor] | None = None,
+                    mode: PauseMode = PauseMode.KEEP) -> tuple[TrainerLink, EpochHandle]:
+    """Prepare the plan of `tensors`, connect as trainer rank 0 (refitting `committed` as version
+    `version - 1` first when given), then open epoch `version` and return once every shim said
+    ACCEPTED: each is paused and about to receive, and no byte of the epoch has moved."""
+    fleet.prepare(info(tensors))
+    link = fleet.connect("127.0.0.1", free_port())
+    if committed is not None:
+        fleet.refit(link, committed, version=version - 1)
+    handle = fleet.update_weights(version, mode)
+    handle.wait_accepted()
+    return link, handle
