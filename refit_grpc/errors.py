@@ -40,6 +40,18 @@ class RefitError(Exception):
         self.message = message
         self.reason: Reason = reason or self.default_reason
 
+    def __reduce__(self):
+        # By class, args and attributes, never through __init__ (subclasses take other
+        # arguments): Ray and multiprocessing ship these errors between processes.
+        return _restore_error, (type(self), self.args, self.__dict__)
+
+
+def _restore_error(cls: type[RefitError], args: tuple, state: dict) -> RefitError:
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
 
 class InvalidArgumentError(RefitError, ValueError):
     code = Code.INVALID_ARGUMENT

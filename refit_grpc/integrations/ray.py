@@ -1,0 +1,345 @@
+"""NeMo RL's `DynamoRefitChannel`, on a refit_grpc `Fleet`, with Ray `ObjectRef`s where the seed
+returns them.
+
+    # was: from nemo_rl.models.generation.dynamo.refit import DynamoRefitChannel
+    from refit_grpc.integrations.ray import DynamoRefitChannel
+
+The surface is the seed's: the constructor `(workers, *, engine_world_size, control_timeout_s,
+validate_workers=None)` (plus optional refit_grpc settings), the `workers`, `engine_world_size`,
+`control_timeout_s` and `validate_workers` attributes, `client_copy()`, `inference_world_size`,
+`sender_spec`, `prepare()`, `init_collective() -> list[ObjectRef]`,
+`update_weights() -> list[ObjectRef]` and `flush_cache() -> bool`. Worker metadata must name
+each engine's shim (`address`, the gRPC target); the seed's `system_url` is not used.
+
+How the refs are made (docs/ray.md): the Fleet runs in the caller's process, where the trainer
+broadcasts. Each ref is the pending result of `wait(key)` on a small async actor (`_Outcomes`,
+no CPU, one per channel, created on first use); the caller's process settles the key when the
+worker's step is really done: JOINED for `init_collective`, COMMITTED for `update_weights`, or
+the typed refit_grpc error (`EpochFailedError`, `FleetError`, ...) naming the failed worker,
+which `ray.get` raises as a `RayTaskError` whose `cause` is that error. Nothing blocks to make a
+ref; each wait has a deadline (the driver's own, plus a margin), and the actor shares the
+caller's fate, so a dead trainer fails the refs (`RayActorError`) instead of hanging them.
+
+Where the trainer's broadcast fits: `update_weights()` opens the driver's two-phase epoch and
+returns once every worker said ACCEPTED (validated and paused, about to receive), raising
+`EpochRefusedError` right there, before any byte moves, if one refused. So the order that keeps
+refit_grpc's guarantee is: `refs = channel.update_weights()`, then broadcast, then
+`ray.get(refs)`. A broadcast already started (NeMo RL starts its trainer ranks' broadcast first)
+does not deadlock it, since ACCEPTED does not depend on the sender; see docs/ray.md for what a
+refusal then costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import pickle
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+
+from refit_grpc.common import Deadline, PauseMode
+from refit_grpc.driver import ChannelSecurity, EpochHandle, Fleet, WorkerEndpoint
+from refit_grpc.driver.epoch import StreamPhase
+from refit_grpc.errors import RefitError, RefitTimeoutError
+from refit_grpc.plan import Packing, RefitPlan
+from refit_grpc.proto import pb
+
+__all__ = ["DynamoRefitChannel", "RefitChannel", "WorkerEndpoint"]
+
+log = logging.getLogger(__name__)
+
+# How long a ref waits past the driver's own deadline for its outcome: the driver's epoch ends
+# at its deadline, then aborts the fleet and lets the streams settle (a few seconds).
+_OUTCOME_MARGIN_S = 30.0
+# How often an epoch's watcher looks for workers that committed.
+_WATCH_POLL_S = 0.01
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4096)
+class _Outcomes:
+    """One pending outcome per key. `wait(key)` is the task behind one ObjectRef: it returns the
+    value, or raises the error, that the channel's process `settle`s under the key; the two may
+    come in either order. All methods run on the actor's one event loop (no locks)."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, asyncio.Event] = {}
+        self._outcomes: dict[str, tuple[bool, Any]] = {}
+        self._expired: set[str] = set()
+
+    def _event(self, key: str) -> asyncio.Event:
+        return self._events.setdefault(key, asyncio.Event())
+
+    async def wait(self, key: str, what: str, timeout_s: float) -> Any:
+        try:
+            await asyncio.wait_for(self._event(key).wait(), timeout_s)
+        except asyncio.TimeoutError:
+            self._events.pop(key, None)
+            self._expired.add(key)
+            raise RefitTimeoutError(f"{what}: no outcome within {timeout_s:.0f}s (the channel's "
+                                    "process stopped reporting)") from None
+        self._events.pop(key, None)
+        ok, value = self._outcomes.pop(key)
+        if not ok:
+            raise value
+        return value
+
+    async def settle(self, key: str, ok: bool, value: Any) -> None:
+        if key in self._expired:
+            self._expired.discard(key)
+            return
+        self._outcomes[key] = (ok, value)
+        self._event(key).set()
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """The error itself when it survives pickling (every refit_grpc error does), else a RefitError
+    that carries its text: a ref must fail with something the reader can unpickle."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001  (anything unpicklable is replaced)
+        return RefitError(f"{type(exc).__name__}: {exc}")
+
+
+def _rebuild(cls: type[RefitChannel], workers: tuple[WorkerEndpoint, ...],
+             options: dict[str, Any]) -> RefitChannel:
+    return cls(workers, **options)
+
+
+class RefitChannel:
+    """The seed's `DynamoRefitChannel` surface on a refit_grpc `Fleet` (module docstring)."""
+
+    def __init__(self, workers: Sequence[Mapping[str, Any] | WorkerEndpoint], *,
+                 engine_world_size: int,
+                 control_timeout_s: float,
+                 validate_workers: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+                 | None = None,
+                 join_timeout_s: float = 120.0,
+                 epoch_timeout_s: float = 600.0,
+                 packing: Packing | None = None,
+                 backend: str = "gloo",
+                 pause_mode: PauseMode = PauseMode.KEEP,
+                 security: ChannelSecurity | None = None):
+        self._fleet = Fleet(workers, engine_world_size=engine_world_size,
+                            control_timeout_s=control_timeout_s, join_timeout_s=join_timeout_s,
+                            epoch_timeout_s=epoch_timeout_s, validate_workers=validate_workers,
+                            packing=packing, backend=backend, security=security)
+        self.workers: tuple[WorkerEndpoint, ...] = self._fleet.endpoints
+        self.engine_world_size = engine_world_size
+        self.control_timeout_s = control_timeout_s
+        self.validate_workers = validate_workers
+        self.pause_mode = pause_mode
+        self._options = {"engine_world_size": engine_world_size,
+                         "control_timeout_s": control_timeout_s,
+                         "join_timeout_s": join_timeout_s, "epoch_timeout_s": epoch_timeout_s,
+                         "packing": packing, "backend": backend, "pause_mode": pause_mode,
+                         "security": security}
+        self._session = uuid.uuid4().hex[:12]
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._outcomes: Any = None  # the _Outcomes actor, created on first use
+        self._watchers: list[threading.Thread] = []
+        self._epoch: EpochHandle | None = None
+        self._version: int | None = None  # the last version an epoch was opened with
+
+    # --- the seed's surface ----------------------------------------------------------------
+
+    def client_copy(self) -> RefitChannel:
+        """Endpoints and settings only (no validator, no plan, no group): what rollout actors
+        get. Picklable; its own Fleet opens channels to the same shims."""
+        options = dict(self._options, packing=self._known_packing())
+        return type(self)(self.workers, validate_workers=None, **options)
+
+    def __reduce__(self):
+        options = dict(self._options, packing=self._known_packing(),
+                       validate_workers=self.validate_workers)
+        return _rebuild, (type(self), self.workers, options)
+
+    @property
+    def inference_world_size(self) -> int:
+        return self._fleet.inference_world_size
+
+    @property
+    def sender_spec(self) -> Packing:
+        """The packing every receiver splits buckets by: the configured one, or the one every
+        shim offers (one Describe round, bounded by `control_timeout_s`, then remembered). The
+        seed returns fixed constants here; refit_grpc agrees on them with the shims instead."""
+        return self._fleet.negotiate_packing()
+
+    def prepare(self, state_dict_info: Mapping[str, tuple[Sequence[int], Any]] | None) -> None:
+        """Store the plan (`{name: (shape, dtype)}` in packing order) on every shim."""
+        if state_dict_info is None:
+            raise ValueError("state_dict_info is None")
+        self._fleet.prepare(state_dict_info)
+        self._actor()  # started now, so its start-up is not on the first refs' path
+
+    def init_collective(self, ip: str, port: int, world_size: int, *,
+                        train_world_size: int) -> list[ray.ObjectRef]:
+        """Ask every shim to join the data group; one ref per worker, resolving to True once the
+        worker JOINED (the typed error otherwise). Not waited on: the rendezvous completes only
+        when the trainer ranks join too (gloo: `collective.Group.join` with `group_id`)."""
+        futures = self._fleet.init_collective(ip, port, world_size,
+                                              train_world_size=train_world_size)
+        timeout_s = self._fleet.join_timeout_s + _OUTCOME_MARGIN_S
+        actor = self._actor()
+        refs = []
+        for worker, future in zip(self.workers, futures):
+            key = self._key()
+            refs.append(actor.wait.remote(key, f"init_collective on {worker.instance_id}",
+                                          timeout_s))
+            future.add_done_callback(lambda f, key=key: _settle_future(actor, key, f))
+        return refs
+
+    def update_weights(self, version: int | None = None) -> list[ray.ObjectRef]:
+        """Open the driver's two-phase epoch and return once every worker said ACCEPTED; one ref
+        per worker, resolving to True when that worker COMMITTED, or raising the epoch's typed
+        error (`EpochFailedError`, `FleetTimeoutError`) naming the failed workers.
+
+        Broadcast after this returns, then `ray.get` the refs. A refusal raises
+        `EpochRefusedError` here, after the fleet was aborted and before any byte moved; after
+        any failed epoch, form the group again (`init_collective`). `version` defaults to one
+        past the last epoch's (the first time: past the newest version any shim holds).
+        """
+        if version is None:
+            version = self._next_version()
+        handle = self._fleet.update_weights(version, self.pause_mode)
+        self._version = max(self._version or 0, version)
+        self._epoch = handle
+        handle.wait_accepted(self.control_timeout_s)
+        timeout_s = max(handle.remaining(), 0.0) + _OUTCOME_MARGIN_S
+        actor = self._actor()
+        keys = [self._key() for _ in self.workers]
+        refs = [actor.wait.remote(key, f"update_weights v{version} on {w.instance_id}",
+                                  timeout_s)
+                for key, w in zip(keys, self.workers)]
+        watcher = threading.Thread(target=_watch_epoch, args=(actor, handle, keys), daemon=True,
+                                   name=f"ray-refit-v{version}")
+        with self._lock:
+            self._watchers = [t for t in self._watchers if t.is_alive()] + [watcher]
+        watcher.start()
+        return refs
+
+    def flush_cache(self) -> bool:
+        """Drain, clear caches and resume every worker, in parallel (mode WAIT); raises one
+        `FleetError` naming every worker that failed (a BROKEN one refuses to resume)."""
+        return self._fleet.flush_cache()
+
+    # --- refit_grpc's additions --------------------------------------------------------------
+
+    @property
+    def fleet(self) -> Fleet:
+        """The Fleet underneath: `describe()`, `abort()`, `connect()`, `refit()`."""
+        return self._fleet
+
+    @property
+    def plan(self) -> RefitPlan | None:
+        return self._fleet.plan
+
+    @property
+    def group_id(self) -> str | None:
+        """The data group `init_collective` formed: trainer ranks join it under this id."""
+        return self._fleet.group_id
+
+    def send_deadline(self) -> Deadline:
+        """The open epoch's deadline for the trainer's sender, cancelled by the epoch's first
+        worker failure (so a `collective.Sender` stops in seconds when a worker dies)."""
+        if self._epoch is None:
+            raise RuntimeError("update_weights() has not been called")
+        return self._epoch.send_deadline()
+
+    def describe(self, weights_digest: bool = True) -> list[pb.DescribeResponse]:
+        return self._fleet.describe(weights_digest)
+
+    def close(self) -> None:
+        """Close the Fleet (open epochs end, their refs fail), then let the actor go."""
+        self._fleet.close()
+        with self._lock:
+            watchers, self._watchers = self._watchers, []
+        for t in watchers:
+            t.join(10.0)
+        self._outcomes = None  # Ray ends an actor once no handle to it is left
+
+    def __enter__(self) -> RefitChannel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _actor(self):
+        with self._lock:
+            if self._outcomes is None:
+                self._outcomes = _Outcomes.remote()
+            return self._outcomes
+
+    def _key(self) -> str:
+        return f"{self._session}:{next(self._seq)}"
+
+    def _known_packing(self) -> Packing | None:
+        try:
+            return self._fleet.sender_spec
+        except RuntimeError:  # not negotiated yet: the copy negotiates its own
+            return None
+
+    def _next_version(self) -> int:
+        if self._version is None:
+            self._version = max(d.weight_version
+                                for d in self._fleet.describe(weights_digest=False))
+        return self._version + 1
+
+
+def _settle(actor, key: str, ok: bool, value: Any) -> None:
+    """Fire and forget: the ref's `wait` task is what anyone reads."""
+    try:
+        actor.settle.remote(key, ok, value if ok else _portable(value))
+    except Exception:  # Ray already shut down: nobody is left to read the ref
+        log.exception("could not settle %s", key)
+
+
+def _settle_future(actor, key: str, future: Future) -> None:
+    if future.cancelled():
+        _settle(actor, key, False, RefitError("init_collective: cancelled (channel closed)"))
+        return
+    error = future.exception()
+    _settle(actor, key, error is None, True if error is None else error)
+
+
+def _watch_epoch(actor, handle: EpochHandle, keys: list[str]) -> None:
+    """Settle each worker's ref as it COMMITS; when the epoch ends (every COMMITTED, or the first
+    failure, which `result()` turns into a fleet abort and a typed error), settle the rest with
+    that error."""
+    outcome: dict[str, BaseException] = {}
+
+    def finish() -> None:
+        try:
+            handle.result()
+        except BaseException as e:  # noqa: BLE001  (every unsettled worker's ref carries it)
+            outcome["error"] = e
+
+    driver = threading.Thread(target=finish, daemon=True, name=f"epoch-v{handle.version}-result")
+    driver.start()
+    settled = [False] * len(keys)
+    while True:
+        running = driver.is_alive()  # read first: one more pass after it ends
+        for i, phase in enumerate(handle.phases()):
+            if phase is StreamPhase.COMMITTED and not settled[i]:
+                _settle(actor, keys[i], True, True)
+                settled[i] = True
+        if not running:
+            break
+        driver.join(_WATCH_POLL_S)
+    error = outcome.get("error") or RefitError(f"epoch {handle.version} ended without COMMITTED")
+    for i, key in enumerate(keys):
+        if not settled[i]:
+            _settle(actor, key, False, error)
+
+
+# The seed's name, so that switching NeMo RL to refit_grpc is one import.
+DynamoRefitChannel = RefitChannel

@@ -1,0 +1,319 @@
+"""Ray, as NeMo RL uses it: `refit_grpc.integrations.ray.DynamoRefitChannel` on a real local Ray
+cluster, the trainer inside a Ray actor, real shim processes on loopback, a real gloo group.
+
+What is proven: init_collective's refs are handed back before the rendezvous completes and resolve
+once the trainer joins; update_weights' refs resolve only when every worker COMMITTED, and the
+shims then hold the trainer's bytes (weights digest) at the new version; a refusal raises the typed
+error from update_weights itself; a client_copy shipped to another actor flushes; a worker killed
+mid-broadcast fails every unfinished ref with a RayTaskError whose cause is the EpochFailedError
+naming it. Every ray.get has a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+import torch
+from ray.exceptions import RayTaskError
+
+from refit_grpc import (
+    EpochFailedError,
+    EpochRefusedError,
+    Fleet,
+    FleetError,
+    Packing,
+    WorkerEndpoint,
+)
+from refit_grpc.integrations.ray import DynamoRefitChannel, RefitChannel
+from refit_grpc.plan import weights_digest
+from refit_grpc.proto import pb
+
+BUFFER = 64 * 1024
+GET_S = 60  # every ray.get's deadline
+
+
+def tensors_v(version: int) -> dict[str, torch.Tensor]:
+    """About 450 KiB over several dtypes in 6 buckets; values follow `version`."""
+    g = torch.Generator().manual_seed(version)
+    layers = {f"layers.{i}.w": torch.randn(64, 128, generator=g) for i in range(12)}
+    return {**layers,
+            "proj": torch.randn(300, 100, generator=g).to(torch.bfloat16),
+            "bias": torch.randn(100, generator=g).to(torch.float16),
+            "mask": torch.rand(777, generator=g) > 0.5,
+            "step": torch.tensor(version, dtype=torch.int64)}
+
+
+def info(tensors: dict[str, torch.Tensor]) -> dict:
+    return {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+
+
+def digest_v(version: int) -> str:
+    return weights_digest(tensors_v(version).items())
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real local Ray cluster for this module: 4 logical CPUs (trainer, rollout, spare), no
+    dashboard; shut down at teardown."""
+    # Ray's workers cannot import this test module: its actor classes travel by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    t0 = time.monotonic()
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
+    print(f"\nRAY: ray {ray.__version__}, ray.init took {time.monotonic() - t0:.1f}s")
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=1)
+class Trainer:
+    """Trainer rank 0 inside a Ray actor, as in NeMo RL: the channel lives here, the trainer joins
+    the data group itself and broadcasts with the project's Sender."""
+
+    def __init__(self, workers: list[dict], buffer: int):
+        self.channel = DynamoRefitChannel(workers, engine_world_size=1, control_timeout_s=10,
+                                          validate_workers=lambda md: md, join_timeout_s=30,
+                                          epoch_timeout_s=30, packing=Packing(buffer, 2))
+        self.group = None
+        self.refs: list[ray.ObjectRef] = []
+
+    def connect(self) -> dict:
+        from refit_grpc.collective import Group
+        from refit_grpc.common import GroupSpec
+        from refit_grpc.testing.ports import free_port
+
+        ch = self.channel
+        ch.prepare(info(tensors_v(1)))
+        port, world = free_port(), 1 + ch.inference_world_size
+        t0 = time.monotonic()
+        refs = ch.init_collective("127.0.0.1", port, world, train_world_size=1)
+        handed_back_s = time.monotonic() - t0
+        # Not waited on: no worker can have JOINED, rank 0 (this process) has not come yet.
+        ready_before_join, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+        self.group = Group.join(GroupSpec("127.0.0.1", port, world, 0, "gloo", ch.group_id), 30)
+        return {"kinds": [type(r).__name__ for r in refs], "handed_back_s": handed_back_s,
+                "ready_before_join": len(ready_before_join), "joined": ray.get(refs, timeout=GET_S)}
+
+    def refit(self, version: int) -> dict:
+        """NeMo RL's order as refit_grpc keeps its guarantee: update_weights() (returns once every
+        worker ACCEPTED), broadcast, then ray.get the refs."""
+        from refit_grpc.collective import Sender
+
+        ch = self.channel
+        t0 = time.monotonic()
+        refs = ch.update_weights()
+        accepted_s = time.monotonic() - t0
+        # Every worker is paused and about to receive; none can have COMMITTED without the bytes.
+        ready_before_send, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+        t1 = time.monotonic()
+        stats = Sender(self.group, ch.plan).send(tensors_v(version), ch.send_deadline())
+        results = ray.get(refs, timeout=GET_S)
+        return {"results": results, "accepted_s": accepted_s, "resolved_s": time.monotonic() - t1,
+                "ready_before_send": len(ready_before_send), "bytes": stats.bytes,
+                "buckets": stats.buckets, "digest": digest_v(version)}
+
+    def open_epoch(self, version: int | None = None) -> list[ray.ObjectRef]:
+        """update_weights() only; the refs go back to the caller (nested: not resolved)."""
+        self.refs = self.channel.update_weights(version)
+        return self.refs
+
+    def broadcast_killing(self, version: int, pid: int) -> str:
+        """Broadcast; SIGKILL worker `pid` once the first bucket is on the wire."""
+        from refit_grpc.collective import Sender
+        from refit_grpc.errors import RefitError
+
+        def kill_after_first(bucket) -> None:
+            if bucket.index == 0:
+                os.kill(pid, signal.SIGKILL)
+
+        try:
+            Sender(self.group, self.channel.plan).send(tensors_v(version),
+                                                       self.channel.send_deadline(),
+                                                       on_bucket=kill_after_first)
+        except RefitError as e:
+            return f"sender stopped: {e.reason}"
+        return "sender finished"
+
+    def client_copy(self) -> DynamoRefitChannel:
+        return self.channel.client_copy()
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.channel.close()
+
+
+@ray.remote(num_cpus=1)
+class Rollout:
+    """A rollout actor that only ever gets the channel's client_copy()."""
+
+    def flush(self, channel: DynamoRefitChannel) -> dict:
+        out = {"flushed": channel.flush_cache(), "workers": [w.instance_id for w in channel.workers],
+               "validate_workers": channel.validate_workers,
+               "inference_world_size": channel.inference_world_size}
+        channel.close()
+        return out
+
+
+def endpoints(shims) -> list[dict]:
+    # The metadata dicts a discovery service would hand over; extra keys are ignored.
+    return [{"instance_id": s.instance_id, "address": s.address, "pid": s.pid} for s in shims]
+
+
+def described(shims) -> list[pb.DescribeResponse]:
+    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+               control_timeout_s=5) as fleet:
+        return fleet.describe()
+
+
+@pytest.mark.slow
+def test_trainer_actor_refits_through_object_refs(ray_cluster, shim_procs):
+    t_start = time.monotonic()
+    shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(2)]
+    workers = endpoints(shims)
+
+    # A join the shims refuse fails each worker's own ref with the typed error naming it.
+    with DynamoRefitChannel(workers, engine_world_size=1, control_timeout_s=10,
+                            packing=Packing(BUFFER, 2)) as driver_side:
+        driver_side.prepare(info(tensors_v(1)))
+        refs = driver_side.init_collective("10.11.12.13", 29500, 3, train_world_size=1)
+        for ref, shim in zip(refs, shims):
+            with pytest.raises(RayTaskError) as e:
+                ray.get(ref, timeout=GET_S)
+            assert isinstance(e.value.cause, FleetError) and isinstance(e.value, FleetError)
+            assert e.value.cause.workers == [shim.instance_id]
+            assert e.value.cause.reasons == {"MASTER_NOT_ALLOWED"}
+
+    t0 = time.monotonic()
+    trainer = Trainer.remote(workers, BUFFER)
+    joined = ray.get(trainer.connect.remote(), timeout=GET_S)
+    print(f"\nRAY: trainer actor up and joined in {time.monotonic() - t0:.1f}s; "
+          f"init_collective handed back refs in {joined['handed_back_s'] * 1000:.0f} ms")
+    assert joined["kinds"] == ["ObjectRef", "ObjectRef"]
+    assert joined["ready_before_join"] == 0
+    assert joined["joined"] == [True, True]
+
+    for version in (1, 2):
+        out = ray.get(trainer.refit.remote(version), timeout=GET_S)
+        print(f"RAY: epoch v{version}: ACCEPTED after {out['accepted_s'] * 1000:.0f} ms, "
+              f"refs resolved {out['resolved_s'] * 1000:.0f} ms after the send began, "
+              f"{out['bytes']} bytes in {out['buckets']} buckets")
+        assert out["results"] == [True, True] and out["ready_before_send"] == 0
+        assert out["buckets"] > 2
+        assert out["digest"] == digest_v(version)
+        # The refs resolved: every shim holds the trainer's bytes at the new version.
+        for d in described(shims):
+            assert d.weight_version == version and d.weights_digest == out["digest"]
+            # Paused until a flush: the seed's update_weights does not resume the engines.
+            assert d.state == pb.SHIM_STATE_READY and d.paused
+
+    # A stale version is refused before any byte: update_weights raises, typed, in the actor.
+    with pytest.raises(RayTaskError) as e:
+        ray.get(trainer.open_epoch.remote(1), timeout=GET_S)
+    assert isinstance(e.value.cause, EpochRefusedError)
+    # Named: the refusals seen when the driver stopped waiting (one or both workers).
+    assert e.value.cause.workers and set(e.value.cause.workers) <= {"w0", "w1"}
+    assert e.value.cause.reasons == {"STALE_VERSION"}
+    after = described(shims)
+    assert [d.weight_version for d in after] == [2, 2]
+    assert all(d.weights_digest == digest_v(2) for d in after)
+
+    # The client copy travels trainer -> object store -> rollout actor, and flushes.
+    rollout = Rollout.remote()
+    flushed = ray.get(rollout.flush.remote(trainer.client_copy.remote()), timeout=GET_S)
+    assert flushed == {"flushed": True, "workers": ["w0", "w1"], "validate_workers": None,
+                       "inference_world_size": 2}
+    assert all(not d.paused and d.weights_digest == digest_v(2) for d in described(shims))
+
+    ray.get(trainer.close.remote(), timeout=GET_S)
+    for actor in (trainer, rollout):
+        ray.kill(actor)
+    print(f"RAY: test body {time.monotonic() - t_start:.1f}s")
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_epoch_fails_the_refs_with_the_typed_error(ray_cluster, shim_procs):
+    shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(3)]
+    trainer = Trainer.remote(endpoints(shims), BUFFER)
+    assert ray.get(trainer.connect.remote(), timeout=GET_S)["joined"] == [True] * 3
+    assert ray.get(trainer.refit.remote(1), timeout=GET_S)["results"] == [True] * 3
+
+    refs = ray.get(trainer.open_epoch.remote(), timeout=GET_S)
+    assert len(refs) == 3
+    t0 = time.monotonic()
+    sender = ray.get(trainer.broadcast_killing.remote(2, shims[1].pid), timeout=GET_S)
+    for ref in refs:
+        with pytest.raises(RayTaskError) as e:
+            ray.get(ref, timeout=GET_S)
+        cause = e.value.cause
+        assert isinstance(cause, EpochFailedError) and isinstance(e.value, EpochFailedError)
+        # Root cause first: the killed worker, by its instance id.
+        assert cause.workers[0] == "w1", cause
+        assert "w1" in str(e.value)
+    elapsed = time.monotonic() - t0
+    print(f"\nRAY: worker killed mid-broadcast ({sender}); every ref failed after {elapsed:.1f}s "
+          f"with {type(cause).__name__}: {cause}")
+    assert elapsed < 20, "the refs must fail fast, not at the 30 s epoch deadline"
+    assert shims[1].proc.wait(10) == -signal.SIGKILL
+    # No survivor serves part of version 2: one that received some of it is BROKEN and stays
+    # paused; one that received none still holds version 1, intact.
+    for shim in (shims[0], shims[2]):
+        (d,) = described([shim])
+        assert d.weight_version == 1, d
+        assert (d.state == pb.SHIM_STATE_BROKEN and d.paused) or \
+            (d.state == pb.SHIM_STATE_PREPARED and d.weights_digest == digest_v(1)), d
+    ray.get(trainer.close.remote(), timeout=GET_S)
+    ray.kill(trainer)
+
+
+def test_the_seed_surface_without_a_cluster():
+    """Constructor, attributes, client_copy and pickling: no Ray cluster, no shim needed."""
+    validate = len  # any picklable callable
+    ch = RefitChannel([{"instance_id": "a", "address": "127.0.0.1:1", "system_url": "ignored"},
+                       WorkerEndpoint("b", "127.0.0.1:2")], engine_world_size=2,
+                      control_timeout_s=5, validate_workers=validate, packing=Packing(1024, 2))
+    assert DynamoRefitChannel is RefitChannel
+    assert ch.workers == (WorkerEndpoint("a", "127.0.0.1:1"), WorkerEndpoint("b", "127.0.0.1:2"))
+    assert (ch.engine_world_size, ch.control_timeout_s, ch.validate_workers) == (2, 5, validate)
+    assert ch.inference_world_size == 4 and ch.sender_spec == Packing(1024, 2)
+    copy = pickle.loads(pickle.dumps(ch.client_copy()))
+    assert copy.workers == ch.workers and copy.validate_workers is None
+    assert copy.sender_spec == Packing(1024, 2) and copy.control_timeout_s == 5
+    whole = pickle.loads(pickle.dumps(ch))
+    assert whole.validate_workers is len and whole.workers == ch.workers
+    with pytest.raises(ValueError):
+        ch.prepare(None)
+    with pytest.raises(RuntimeError):
+        ch.update_weights()  # never prepared
+    with pytest.raises(ValueError):
+        RefitChannel([], engine_world_size=1, control_timeout_s=5)
+    for c in (ch, copy, whole):
+        c.close()
+    assert "ray" in sys.modules  # this module imported it; the next test proves the core does not
+
+
+def test_the_core_never_imports_ray():
+    code = ("import refit_grpc, refit_grpc.driver, refit_grpc.integrations, sys; "
+            "from refit_grpc import Fleet, EpochFailedError; "
+            "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_typed_errors_survive_pickling():
+    """What a ref carries across processes: the class, the message, the reason, the failures."""
+    import grpc
+
+    from refit_grpc import WorkerFailure
+
+    failure = WorkerFailure("w1", "127.0.0.1:1", grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "gone")
+    err = pickle.loads(pickle.dumps(EpochFailedError("epoch 3 failed", [failure])))
+    assert type(err) is EpochFailedError and err.failures == [failure]
+    assert err.reason == "EPOCH_FAILED" and err.workers == ["w1"] and "w1" in str(err)
