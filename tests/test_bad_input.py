@@ -3,6 +3,7 @@ machine-readable reason, the shim stays SERVING, and its state does not change."
 
 from __future__ import annotations
 
+import os
 import string
 
 import grpc
@@ -19,7 +20,8 @@ from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.server import ServerOptions, ShimServer
 from refit_grpc.shim.service import ShimConfig
 
-EXAMPLES = 200
+# Per property; `make fuzz` raises it (REFIT_FUZZ_EXAMPLES) to put over 10,000 inputs through.
+EXAMPLES = int(os.environ.get("REFIT_FUZZ_EXAMPLES", "200"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 KNOWN_REASONS = {
@@ -183,4 +185,33 @@ def test_message_over_the_size_limit_is_resource_exhausted():
         assert d.state == pb.SHIM_STATE_EMPTY
         channel.close()
     finally:
+        server.stop(0)
+
+
+def test_abort_and_describe_take_any_input():
+    """Abort's reason is free text and Describe's one field a bool: any value is answered, the
+    shim stays EMPTY and SERVING, and Describe reports the reason it was given."""
+    server = ShimServer(ReferenceEngine(model=None), ShimConfig(),
+                        ServerOptions(address="127.0.0.1:0")).start()
+    channel = grpc.insecure_channel(server.address)
+    stub = pb_grpc.RefitServiceStub(channel)
+
+    @SETTINGS
+    @given(st.text(max_size=2000), st.booleans())
+    def check(reason, skip_digest):
+        answer = stub.Abort(pb.AbortRequest(reason=reason), timeout=5)
+        assert (answer.state, answer.epoch_aborted) == (pb.SHIM_STATE_EMPTY, False)
+        tried["Abort"] = tried.get("Abort", 0) + 1
+        d = stub.Describe(pb.DescribeRequest(skip_weights_digest=skip_digest), timeout=5)
+        assert d.state == pb.SHIM_STATE_EMPTY
+        assert d.last_error == f"aborted: {reason or 'Abort called'}"
+        tried["Describe"] = tried.get("Describe", 0) + 1
+
+    try:
+        check()
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        channel.close()
         server.stop(0)
