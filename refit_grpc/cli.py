@@ -1,4 +1,4 @@
-"""`refit-grpc shim | call | demo | bench`: the command-line entry points."""
+"""`refit-grpc shim | call | health | fleet | demo | bench`: the command-line entry points."""
 
 from __future__ import annotations
 
@@ -70,10 +70,26 @@ def _shim(args: argparse.Namespace) -> int:
                        allow_insecure=args.insecure_listen)
     except ExposureError as e:
         raise SystemExit(str(e)) from None
+    if args.metrics_address is not None:
+        from refit_grpc.shim.metrics import (
+            MetricsAddressError,
+            check_metrics_exposure,
+            parse_metrics_address,
+        )
+
+        try:
+            host, _ = parse_metrics_address(args.metrics_address)
+            check_metrics_exposure(host, allow_insecure=args.insecure_listen)
+        except MetricsAddressError as e:
+            raise SystemExit(str(e)) from None
     server = ShimServer(engine, ShimConfig(**config_kwargs),
-                        ServerOptions(address=args.address, grace_s=args.grace_s),
+                        ServerOptions(address=args.address, grace_s=args.grace_s,
+                                      metrics_address=args.metrics_address),
                         credentials=tls.credentials() if tls else None,
                         interceptors=(TokenAuthInterceptor(tokens),) if tokens else ()).start()
+    if server.metrics is not None:
+        print(f"refit-grpc shim metrics on http://{server.metrics.address}/metrics",
+              file=sys.stderr, flush=True)
     # Parent processes (demo, tests) read this line to learn the port.
     print(f"{READY_PREFIX}{server.address} {server.servicer.config.instance_id}", flush=True)
     server.serve_until_signal()
@@ -106,6 +122,12 @@ def _health(args: argparse.Namespace) -> int:
     from refit_grpc.operator_call import health, security_from_args
 
     return health(args.address, security=security_from_args(args), timeout_s=args.timeout_s)
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from refit_grpc.operator_fleet import run_fleet_command
+
+    return run_fleet_command(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -151,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     shim.add_argument("--allow-master", action="append", default=None, metavar="CIDR",
                       help="networks whose rendezvous the shim may join (default loopback, or "
                            "REFIT_GRPC_ALLOW_MASTER: CIDRs separated by commas)")
+    shim.add_argument("--metrics-address", metavar="HOST:PORT",
+                      help="serve Prometheus metrics over HTTP there (off by default; a port "
+                           "alone binds loopback; beyond loopback needs --insecure-listen)")
     shim.set_defaults(func=_shim)
 
     demo = sub.add_parser("demo", help="train a tiny LM and refit a local fleet every step")
@@ -177,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--cert", help="client certificate (PEM) for mTLS")
     check.add_argument("--key", help="client key (PEM) for mTLS")
     check.set_defaults(func=_health)
+
+    from refit_grpc.operator_fleet import add_fleet_parser
+
+    add_fleet_parser(sub, _fleet)
 
     bench = sub.add_parser("bench", help="refit_grpc against the wire floor, the per-tensor "
                                          "refit and the HTTP-JSON way, side by side")

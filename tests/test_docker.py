@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -106,9 +107,12 @@ def test_the_compose_shim_command_runs_and_reports_its_engine_missing():
     entry = instructions(DOCKER / "Dockerfile")["ENTRYPOINT"]
     port = free_port()
     engine_port = free_port()  # nothing listens there: the engine is "down"
+    metrics_port = free_port()
     args = [a.replace("0.0.0.0:50051", f"0.0.0.0:{port}")
              .replace("127.0.0.1:8000", f"127.0.0.1:{engine_port}")
+             .replace("127.0.0.1:9464", f"127.0.0.1:{metrics_port}")
             for a in shim_service["command"]]
+    assert f"127.0.0.1:{metrics_port}" in args  # the compose file serves metrics on loopback
     shim = start(local(entry, port) + args,
                  {"REFIT_GRPC_TOKEN": "t", "REFIT_GRPC_ALLOW_MASTER": "10.0.0.0/8"})
     try:
@@ -121,6 +125,10 @@ def test_the_compose_shim_command_runs_and_reports_its_engine_missing():
             d = pb_grpc.RefitServiceStub(channel).Describe(
                 pb.DescribeRequest(), timeout=10, metadata=[("authorization", "Bearer t")])
             assert d.engine_kind == "vllm" and not d.engine_healthy
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert 'refit_shim_state{state="EMPTY"} 1.0' in metrics, metrics[:2000]
+        assert 'engine="vllm"' in metrics
     finally:
         shim.send_signal(signal.SIGTERM)
         try:

@@ -1,4 +1,5 @@
-"""The shim process: a gRPC server with RefitService, health, reflection and graceful SIGTERM."""
+"""The shim process: a gRPC server with RefitService, health, reflection (v1 and v1alpha),
+optional Prometheus metrics and graceful SIGTERM."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from refit_grpc.common import MAX_MESSAGE_BYTES, Deadline
 from refit_grpc.errors import RefitError
 from refit_grpc.proto import pb, pb_grpc, ref_pb, ref_pb_grpc
+from refit_grpc.shim import reflection
 from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.service import RefitServicer, ShimConfig
 from refit_grpc.shim.status import status_on_error
@@ -35,6 +36,8 @@ class ServerOptions:
     health_poll_s: float = 1.0
     # Larger messages get RESOURCE_EXHAUSTED from gRPC itself, before any handler runs.
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    # HOST:PORT (or a port alone: loopback) of the Prometheus endpoint; None: no metrics.
+    metrics_address: str | None = None
 
 
 class ReferenceEngineServicer(ref_pb_grpc.ReferenceEngineServiceServicer):
@@ -62,6 +65,13 @@ class ShimServer:
         self.servicer = RefitServicer(engine, config)
         self.health = health.HealthServicer()
         self._stop = threading.Event()
+        self.metrics = None
+        if self.options.metrics_address is not None:
+            from refit_grpc.shim.metrics import ShimMetrics
+
+            self.metrics = ShimMetrics(self.servicer, engine.kind)
+            # First, so it times every call and sees the ones the token check refuses.
+            interceptors = (self.metrics.interceptor, *interceptors)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.options.max_workers,
                                        thread_name_prefix="shim-rpc"),
@@ -76,7 +86,7 @@ class ShimServer:
                      ("grpc.http2.max_ping_strikes", 0)],
         )
         pb_grpc.add_RefitServiceServicer_to_server(self.servicer, self._server)
-        services = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        services = [SERVICE_NAME, health.SERVICE_NAME]
         if hasattr(engine, "generate"):
             ref_pb_grpc.add_ReferenceEngineServiceServicer_to_server(
                 ReferenceEngineServicer(engine, self.servicer), self._server)
@@ -93,6 +103,8 @@ class ShimServer:
         self.address = f"{host}:{self.port}"
 
     def start(self) -> ShimServer:
+        if self.metrics is not None:
+            self.metrics.serve(self.options.metrics_address)
         self._server.start()
         self._set_health(self.engine.status().healthy)
         threading.Thread(target=self._watch_health, daemon=True, name="health").start()
@@ -131,6 +143,8 @@ class ShimServer:
         done = self._server.stop(2.0)
         if not done.wait(7.0):
             log.warning("server did not stop in time")
+        if self.metrics is not None:
+            self.metrics.close()
         self.engine.close()
 
     def wait(self) -> None:

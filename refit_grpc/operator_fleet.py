@@ -1,0 +1,259 @@
+"""`refit-grpc fleet status | flush | abort`: one command over a list of shims, built on `Fleet`.
+
+Workers come from repeatable `--worker INSTANCE_ID=ADDRESS` flags and/or `--workers-file FILE`
+(one `instance_id address` per line; blank lines and `#` comments ignored). Security is
+`refit-grpc call`'s: `--ca/--cert/--key` and the token from REFIT_GRPC_TOKEN. Every call has
+`--timeout-s` as its deadline. A worker that does not answer is a row with its error, never a
+crash; the exit status is 1 when any worker failed, 2 on a usage error.
+
+`status` fails a worker that is unreachable, BROKEN, or whose engine is unhealthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DIGEST_PREFIX = 12
+ERROR_WIDTH = 72
+
+
+class UsageError(ValueError):
+    pass
+
+
+def add_fleet_parser(sub, func) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--worker", action="append", default=[], metavar="INSTANCE_ID=ADDRESS",
+                        help="a shim (repeatable)")
+    common.add_argument("--workers-file", metavar="FILE",
+                        help="shims, one 'instance_id address' per line (# comments)")
+    common.add_argument("--timeout-s", type=float, default=5.0, help="deadline of every call")
+    common.add_argument("--json", action="store_true", help="one JSON document per round")
+    common.add_argument("--ca", help="CA certificate (PEM): use TLS")
+    common.add_argument("--cert", help="client certificate (PEM) for mTLS")
+    common.add_argument("--key", help="client key (PEM) for mTLS")
+
+    fleet = sub.add_parser("fleet", help="status, flush or abort a list of shims "
+                                         "(token from REFIT_GRPC_TOKEN)")
+    verbs = fleet.add_subparsers(dest="verb", required=True)
+    status = verbs.add_parser("status", parents=[common],
+                              help="one row per shim: state, version, plan, group, health, error")
+    status.add_argument("--watch", type=float, metavar="SECONDS",
+                        help="repeat every SECONDS until interrupted")
+    flush = verbs.add_parser("flush", parents=[common],
+                             help="drain, clear caches and resume every shim")
+    flush.add_argument("--mode", choices=["wait", "abort", "keep"], default="wait",
+                       help="how in-flight requests are paused (default wait)")
+    abort = verbs.add_parser("abort", parents=[common],
+                             help="abort any epoch or join and drop every shim's group")
+    abort.add_argument("--reason", default="operator abort")
+    for p in (status, flush, abort):
+        p.set_defaults(func=func)
+
+
+def parse_workers(flags: list[str], workers_file: str | None) -> list[tuple[str, str]]:
+    """`[(instance_id, address)]`: the file's lines first, then the flags, in order."""
+    workers: list[tuple[str, str]] = []
+    if workers_file:
+        for n, raw in enumerate(Path(workers_file).read_text().splitlines(), 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 2:
+                raise UsageError(f"{workers_file}:{n}: expected 'instance_id address', got {raw!r}")
+            workers.append((parts[0], parts[1]))
+    for flag in flags:
+        instance_id, sep, address = flag.partition("=")
+        if not sep or not instance_id.strip() or not address.strip():
+            raise UsageError(f"--worker {flag!r}: expected INSTANCE_ID=ADDRESS")
+        workers.append((instance_id.strip(), address.strip()))
+    if not workers:
+        raise UsageError("no workers: pass --worker INSTANCE_ID=ADDRESS or --workers-file FILE")
+    seen: set[str] = set()
+    for instance_id, _ in workers:
+        if instance_id in seen:
+            raise UsageError(f"worker {instance_id!r} is listed twice")
+        seen.add(instance_id)
+    return workers
+
+
+@dataclass
+class StatusRow:
+    instance: str
+    address: str
+    ok: bool
+    state: str = "-"
+    version: int | None = None
+    plan_digest: str = ""
+    group: str = ""
+    engine_healthy: bool | None = None
+    paused: bool | None = None
+    shim_instance_id: str = ""
+    error: str = ""       # the call's failure: "CODE REASON: message"
+    last_error: str = ""  # what the shim itself last recorded (Describe.last_error)
+
+
+@dataclass
+class ActionRow:
+    instance: str
+    address: str
+    ok: bool
+    state: str = "-"
+    detail: str = ""
+    error: str = ""
+
+
+def _failure_text(f) -> str:
+    reason = f" {f.reason}" if f.reason and f.reason != f.code.name else ""
+    return f"{f.code.name}{reason}: {f.message}"
+
+
+def status_rows(fleet) -> list[StatusRow]:
+    from refit_grpc.driver.failures import WorkerFailure
+    from refit_grpc.proto import pb
+
+    rows = []
+    for e, d in zip(fleet.endpoints, fleet.describe_each(weights_digest=False)):
+        if isinstance(d, WorkerFailure):
+            rows.append(StatusRow(e.instance_id, e.address, ok=False, error=_failure_text(d)))
+            continue
+        state = pb.ShimState.Name(d.state).removeprefix("SHIM_STATE_")
+        rows.append(StatusRow(
+            e.instance_id, e.address, ok=d.engine_healthy and d.state != pb.SHIM_STATE_BROKEN,
+            state=state, version=d.weight_version, plan_digest=d.plan_digest,
+            group=d.group_id, engine_healthy=d.engine_healthy, paused=d.paused,
+            shim_instance_id=d.instance_id, last_error=d.last_error))
+    return rows
+
+
+def flush_rows(fleet, mode: str) -> list[ActionRow]:
+    from refit_grpc.common import PauseMode
+    from refit_grpc.driver.failures import FleetError
+
+    failed = {}
+    try:
+        fleet.flush_cache(PauseMode(mode))
+    except FleetError as e:
+        failed = {f.instance_id: f for f in e.failures}
+    return [ActionRow(e.instance_id, e.address, ok=e.instance_id not in failed,
+                      detail="" if e.instance_id in failed else "flushed and resumed",
+                      error=_failure_text(failed[e.instance_id]) if e.instance_id in failed else "")
+            for e in fleet.endpoints]
+
+
+def abort_rows(fleet, reason: str) -> list[ActionRow]:
+    from refit_grpc.proto import pb
+
+    rows = []
+    for e, a in zip(fleet.endpoints, fleet.abort(reason)):
+        if a is None:
+            rows.append(ActionRow(e.instance_id, e.address, ok=False,
+                                  error="no answer (unreachable, or slower than "
+                                        f"{fleet.abort_timeout_s:g}s)"))
+        else:
+            rows.append(ActionRow(e.instance_id, e.address, ok=True,
+                                  state=pb.ShimState.Name(a.state).removeprefix("SHIM_STATE_"),
+                                  detail="epoch aborted" if a.epoch_aborted else "no epoch running"))
+    return rows
+
+
+def _short(text: str, width: int = ERROR_WIDTH) -> str:
+    """One line of at most `width`: the head (code, reason) and the tail (the cause) kept."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    head = width // 2
+    return text[:head - 2] + " ... " + text[len(text) - (width - head - 3):]
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+             for line in [header, *rows]]
+    return "\n".join(lines)
+
+
+def render_status(rows: list[StatusRow]) -> str:
+    def yes_no(v: bool | None) -> str:
+        return "-" if v is None else ("yes" if v else "no")
+
+    table = format_table(
+        ["INSTANCE", "ADDRESS", "STATE", "VERSION", "PLAN", "GROUP", "HEALTHY", "LAST ERROR"],
+        [[r.instance, r.address, r.state, "-" if r.version is None else str(r.version),
+          r.plan_digest[:DIGEST_PREFIX] or "-", r.group or "-", yes_no(r.engine_healthy),
+          _short(r.error or r.last_error) or "-"] for r in rows])
+    return table + "\n" + _summary(rows)
+
+
+def render_actions(rows: list[ActionRow]) -> str:
+    table = format_table(["INSTANCE", "ADDRESS", "RESULT", "STATE", "ERROR"],
+                         [[r.instance, r.address, r.detail if r.ok else "FAILED", r.state,
+                           _short(r.error) or "-"] for r in rows])
+    return table + "\n" + _summary(rows)
+
+
+def _summary(rows) -> str:
+    bad = [r.instance for r in rows if not r.ok]
+    return (f"{len(rows)} workers: {len(rows) - len(bad)} ok, {len(bad)} failing"
+            + (f" ({', '.join(bad)})" if bad else ""))
+
+
+def run_fleet_command(args, out=None, err=None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        workers = parse_workers(args.worker, args.workers_file)
+        if args.timeout_s <= 0:
+            raise UsageError("--timeout-s must be > 0")
+        if getattr(args, "watch", None) is not None and args.watch <= 0:
+            raise UsageError("--watch must be > 0 seconds")
+    except (UsageError, OSError) as e:
+        print(f"refit-grpc fleet: {e}", file=err)
+        return 2
+    from refit_grpc.driver.endpoint import WorkerEndpoint
+    from refit_grpc.driver.fleet import Fleet
+    from refit_grpc.operator_call import security_from_args
+
+    # Few retries: an operator wants to see a dead shim now, not after the driver's patience.
+    fleet = Fleet([WorkerEndpoint(i, a) for i, a in workers], control_timeout_s=args.timeout_s,
+                  abort_timeout_s=args.timeout_s, retry_attempts=2,
+                  security=security_from_args(args))
+    try:
+        if args.verb == "flush":
+            return _emit(flush_rows(fleet, args.mode), render_actions, args.json, out)
+        if args.verb == "abort":
+            return _emit(abort_rows(fleet, args.reason), render_actions, args.json, out)
+        if args.watch is None:
+            return _emit(status_rows(fleet), render_status, args.json, out)
+        code = 0
+        try:
+            while True:
+                if not args.json:
+                    if out.isatty():
+                        out.write("\033[H\033[2J")
+                    print(time.strftime("# %Y-%m-%d %H:%M:%S"), file=out)
+                code = _emit(status_rows(fleet), render_status, args.json, out)
+                if not args.json:
+                    print(file=out, flush=True)
+                time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return code
+    finally:
+        fleet.close()
+
+
+def _emit(rows, render, as_json: bool, out) -> int:
+    ok = all(r.ok for r in rows)
+    if as_json:
+        print(json.dumps({"ok": ok, "workers": [asdict(r) for r in rows]}), file=out, flush=True)
+    else:
+        print(render(rows), file=out, flush=True)
+    return 0 if ok else 1
+
+
+__all__ = ["add_fleet_parser", "parse_workers", "run_fleet_command"]
