@@ -67,8 +67,10 @@ demo: proto
 demo-vllm: proto vllm
 	$(PY) -m refit_grpc.tools.demo_vllm
 
+# Every arm (floor, per-tensor, raw, refit_grpc, HTTP-JSON) side by side on the realistic 1 GiB
+# decoder mix, for a trainer and 1 receiver, then 4 (docs/bench.md). About 5 minutes.
 bench: proto
-	$(VENV)/bin/refit-grpc bench
+	$(VENV)/bin/refit-grpc bench --world 2 --world 5
 
 clean:
 	rm -rf $(VENV) build *.egg-info refit_grpc/v1/*_pb2*.py refit_grpc/v1/*_pb2*.pyi

@@ -20,6 +20,7 @@ _EXPORTS = {
     "FleetError": "refit_grpc.driver.failures",
     "FleetTimeoutError": "refit_grpc.driver.failures",
     "WorkerFailure": "refit_grpc.driver.failures",
+    "WeightsMismatchError": "refit_grpc.driver.failures",
     "MembershipChangedError": "refit_grpc.errors",
     "RefitError": "refit_grpc.errors",
     "Reason": "refit_grpc.reasons",
@@ -34,7 +35,7 @@ __all__ = [
     "ChannelSecurity", "Deadline", "EpochFailedError", "EpochRefusedError", "EpochReport",
     "Fleet", "FleetError", "FleetTimeoutError", "MembershipChangedError", "Packing", "PauseMode",
     "Reason", "RefitError", "RefitPlan", "TensorSpec", "TrainerLink", "WorkerEndpoint",
-    "WorkerFailure",
+    "WeightsMismatchError", "WorkerFailure",
 ]
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
         EpochRefusedError,
         FleetError,
         FleetTimeoutError,
+        WeightsMismatchError,
         WorkerFailure,
     )
     from refit_grpc.errors import MembershipChangedError, RefitError

@@ -52,6 +52,7 @@ class Group:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if spec.backend == "nccl" else torch.device("cpu")
         self._receive_buffers: list[torch.Tensor] = []
+        self._closed = threading.Event()  # set by close(): pending waits give up
 
     @classmethod
     def join(cls, spec: GroupSpec, timeout_s: float) -> Group:
@@ -113,14 +114,16 @@ class Group:
                 raise CollectiveError("group is closed", reason=Reason.GROUP_CLOSED)
             # No local name for the group: only the reaper may ever drop its last reference.
             work = self._pg.broadcast([tensor], opts)
-        return _PendingOp(work)
+        return _PendingOp(work, self._closed)
 
     def close(self) -> None:
-        """Tear the group down; pending operations on every peer fail promptly.
+        """Tear the group down; pending operations on every peer fail promptly, and so do this
+        process's own waits (GROUP_CLOSED).
 
         Never blocks: destroying a gloo group joins its worker threads, which wait for any
         pending operation to time out, so the last reference is dropped on a reaper thread.
         """
+        self._closed.set()
         with self._pg_lock:
             if self._pg is None:
                 return
@@ -175,16 +178,21 @@ def _gloo_device(master_address: str) -> dist.ProcessGroupGloo.Device:
 
 
 class _PendingOp:
-    """A collective in flight, waited on with a deadline and a cancel flag."""
+    """A collective in flight, waited on with a deadline, a cancel flag, and its group's close:
+    closing a gloo group fails the peers' pending operations, not this process's own, so the
+    wait itself must notice that its group is gone."""
 
-    def __init__(self, work: dist.Work):
+    def __init__(self, work: dist.Work, group_closed: threading.Event):
         self._work = work
+        self._group_closed = group_closed
         self._done = threading.Event()
         work.get_future().add_done_callback(lambda _f: self._done.set())
 
     def wait(self, deadline: Deadline, what: str) -> None:
         while not self._done.wait(min(CANCEL_POLL_S, max(deadline.check(what), 0.0))):
-            pass
+            if self._group_closed.is_set():
+                raise CollectiveError(f"{what}: the group was torn down",
+                                      reason=Reason.GROUP_CLOSED)
         try:
             self._work.wait()
         except RuntimeError as e:

@@ -123,9 +123,14 @@ def test_restarted_worker_is_refused_by_membership_check(shim_procs):
         shims[1].stop()
         replacement = shim_procs("--model", "none", "--address", shims[1].address)
         assert replacement.instance_id != shims[1].instance_id
+        # The replacement refuses the epoch opened for the instance that joined, before any
+        # byte moves; the survivor is resumed on version 1.
         with pytest.raises(MembershipChangedError) as e:
-            fleet.update_weights(2)
-        assert "w1" in str(e.value)
+            fleet.refit(link, mixed_tensors(2), version=2)
+        assert isinstance(e.value, EpochRefusedError)
+        assert e.value.workers == ["w1"] and e.value.reasons == {"MEMBERSHIP_CHANGED"}
+        survivor = describe(shims[0].address)
+        assert survivor.weight_version == 1 and not survivor.paused
         link.close()
 
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from refit_grpc import Fleet, Packing, WorkerEndpoint
+from refit_grpc.driver.failures import odd_digests
 from refit_grpc.shim.engines.reference import ReferenceEngine
 
 from support import fleet_mid_epoch, tensors_v
@@ -48,3 +49,14 @@ def test_sender_spec_does_no_io_and_negotiation_is_explicit(shim):
         assert fleet.sender_spec == Packing(8192, 3)
     finally:
         fleet.close()
+
+
+@pytest.mark.parametrize("digests,majority,odd", [
+    (["a", "a", "a"], "a", []),
+    (["a", "b", "a"], "a", [1]),
+    (["a", "b"], None, [0, 1]),
+    (["a", ""], "a", [1]),
+    (["", ""], None, [0, 1]),
+])
+def test_odd_digests_names_every_engine_outside_the_largest_group(digests, majority, odd):
+    assert odd_digests(digests) == (majority, odd)

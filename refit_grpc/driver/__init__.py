@@ -9,6 +9,7 @@ from refit_grpc.driver.failures import (
     FleetError,
     FleetTimeoutError,
     MembershipRefusedError,
+    WeightsMismatchError,
     WorkerFailure,
 )
 from refit_grpc.driver.fleet import EpochReport, Fleet, WorkerReport
@@ -16,5 +17,5 @@ from refit_grpc.driver.links import GlooLink, TrainerLink
 
 __all__ = ["ChannelSecurity", "EpochFailedError", "EpochHandle", "EpochRefusedError",
            "EpochReport", "Fleet", "FleetError", "FleetTimeoutError", "GlooLink",
-           "MembershipRefusedError",
+           "MembershipRefusedError", "WeightsMismatchError",
            "ProgressCallback", "TrainerLink", "WorkerEndpoint", "WorkerFailure", "WorkerReport"]

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -67,6 +68,13 @@ class EpochFailedError(FleetError):
     default_reason = Reason.EPOCH_FAILED
 
 
+class WeightsMismatchError(FleetError):
+    """Every engine committed, but their weights digests differ (`refit(verify_weights=True)`);
+    the fleet was not flushed, so the engines stay paused and serve nothing."""
+
+    default_reason = Reason.WEIGHTS_MISMATCH
+
+
 class FleetTimeoutError(FleetError, TimeoutError):
     code = Code.DEADLINE_EXCEEDED
     default_reason = Reason.DEADLINE_EXCEEDED
@@ -90,6 +98,17 @@ def failure_from_rpc(endpoint: WorkerEndpoint, err: grpc.RpcError) -> WorkerFail
     known = Reason.__members__.get(reason)
     return WorkerFailure(endpoint.instance_id, endpoint.address, code, known or reason,
                          message or "")
+
+
+def odd_digests(digests: Sequence[str]) -> tuple[str | None, list[int]]:
+    """The fleet's digest (held by the largest group of engines, when that group is strictly the
+    largest) and the indexes of the engines that do not hold it. A tie has no fleet digest and
+    names every engine; an empty digest (none could be computed) is always named."""
+    groups = Counter(d for d in digests if d)
+    ranked = groups.most_common(2)
+    majority = ranked[0][0] if ranked and (len(ranked) == 1 or ranked[0][1] > ranked[1][1]) \
+        else None
+    return majority, [i for i, d in enumerate(digests) if not d or d != majority]
 
 
 def root_causes_first(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:

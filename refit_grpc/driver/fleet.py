@@ -37,8 +37,10 @@ from refit_grpc.driver.failures import (
     EpochFailedError,
     FleetError,
     FleetTimeoutError,
+    WeightsMismatchError,
     WorkerFailure,
     failure_from_rpc,
+    odd_digests,
 )
 from refit_grpc.driver.links import GlooLink, TrainerLink
 from refit_grpc.errors import InvalidArgumentError, MembershipChangedError, RefitError
@@ -275,21 +277,27 @@ class Fleet:
 
     def update_weights(self, version: int | None = None,
                        pause_mode: PauseMode = PauseMode.KEEP,
-                       on_progress: ProgressCallback | None = None) -> EpochHandle:
+                       on_progress: ProgressCallback | None = None, *,
+                       verify_weights: bool = False) -> EpochHandle:
         """Open an epoch on every shim; returns the handle the trainer waits on while it
-        broadcasts. Version defaults to the last one + 1."""
+        broadcasts. Version defaults to the last one + 1. `verify_weights`: every engine
+        reports its weights digest in COMMITTED (it reads every weight)."""
         if self._plan is None:
             raise RuntimeError("prepare() must be called before update_weights()")
         if self._group_id is None:
             raise RuntimeError("init_collective() must be called before update_weights()")
         self._check_membership()
         version = self._version + 1 if version is None else version
+        # Opened, not committed: the default of the next epoch moves on either way, since a shim
+        # refuses a repeated version only once it has committed it.
+        self._version = max(self._version, version)
         # Each shim checks it is still the instance that joined (no Describe round trip first).
         joined = self._joined_instances or ("",) * len(self._workers)
         requests = [pb.UpdateWeightsRequest(version=version, plan_digest=self._plan.digest,
                                             group_id=self._group_id,
                                             pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
-                                            instance_id=instance_id)
+                                            instance_id=instance_id,
+                                            verify_weights=verify_weights)
                     for instance_id in joined]
         if self._closed:
             raise RuntimeError("the fleet is closed")
@@ -303,12 +311,18 @@ class Fleet:
     def refit(self, link: TrainerLink, tensors: Mapping[str, torch.Tensor],
               version: int | None = None, *, flush: bool = True,
               pause_mode: PauseMode = PauseMode.KEEP,
-              on_progress: ProgressCallback | None = None) -> EpochReport:
+              on_progress: ProgressCallback | None = None,
+              verify_weights: bool = False) -> EpochReport:
         """One whole epoch: UpdateWeights everywhere, wait for every ACCEPTED, broadcast, wait for
-        every COMMITTED, then (by default) flush so engines serve the new weights."""
+        every COMMITTED, then (by default) flush so engines serve the new weights.
+
+        `verify_weights`: every engine computes its weights digest at commit, and engines that
+        disagree raise WeightsMismatchError naming them, before the flush: every engine stays
+        paused on the new version, serving nothing, until the operator decides."""
         link.sender.check_tensors(tensors)  # refuse bad input before any shim pauses
         t0 = time.monotonic()
-        handle = self.update_weights(version, pause_mode, on_progress)
+        handle = self.update_weights(version, pause_mode, on_progress,
+                                     verify_weights=verify_weights)
         try:
             handle.wait_accepted()
         except FleetError:
@@ -335,7 +349,8 @@ class Fleet:
             self._group_id = None
             raise
         seconds = time.monotonic() - t0
-        self._version = handle.version
+        if verify_weights:
+            self._check_same_weights(handle.version, committed)
         if flush:
             self.flush_cache()
         return EpochReport(
@@ -446,6 +461,24 @@ class Fleet:
                                               Reason.JOIN_TIMEOUT,
                                               "no JOINED in time"))
         return failures
+
+    def _check_same_weights(self, version: int,
+                            committed: Sequence[pb.UpdateWeightsResponse]) -> None:
+        """Every engine of the epoch must report the same weights digest. The largest group of
+        equal digests is taken as the fleet's; every other engine is named (with two engines
+        that disagree, both are)."""
+        digests = [m.weights_digest for m in committed]
+        majority, odd_indexes = odd_digests(digests)
+        if not odd_indexes:
+            return
+        odd = [WorkerFailure(self._workers[i].endpoint.instance_id,
+                             self._workers[i].endpoint.address, grpc.StatusCode.DATA_LOSS,
+                             Reason.WEIGHTS_MISMATCH,
+                             f"weights digest {digests[i][:16] or '(none)'} at version {version}"
+                             + (f", the fleet's is {majority[:16]}" if majority else ""))
+               for i in odd_indexes]
+        raise WeightsMismatchError(f"epoch {version}: engines hold different weights; left "
+                                   "paused, not flushed", odd)
 
     def _check_membership(self) -> None:
         """Refuse a fleet whose membership changed since InitCollective (docs/protocol.md,

@@ -80,6 +80,7 @@ class ReceiveEvent(enum.Enum):
 class _Epoch:
     version: int
     deadline: Deadline
+    verify_weights: bool = False
     bytes_applied: int = 0
     abort_reason: str = ""
 
@@ -272,14 +273,14 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                         f"group_id {request.group_id!r} != joined {self._group.group_id!r}",
                         reason=Reason.GROUP_MISMATCH)
                 plan = self._plan
-                epoch = _Epoch(request.version, deadline)
+                epoch = _Epoch(request.version, deadline, request.verify_weights)
                 self._epoch = epoch
                 self._busy = Busy.EPOCH
             # A caller that goes away (trainer crash) cancels the receive; the deadline is the
             # watchdog that ends it even when no cancellation ever arrives.
             context.add_callback(deadline.cancel.set)
             committed = False
-            was_paused = self.engine.status().paused
+            was_paused = self.engine.is_paused()
             receiver: threading.Thread | None = None
             try:
                 self.engine.pause(mode, deadline)
@@ -345,7 +346,10 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
         try:
             self.engine.receive(plan, epoch.deadline, on_bucket)
-            events.put((ReceiveEvent.DONE, self.engine.finish(epoch.version, epoch.deadline)))
+            digest = self.engine.finish(epoch.version, epoch.deadline)
+            if epoch.verify_weights and not digest:
+                digest = self.engine.weights_digest(epoch.deadline)
+            events.put((ReceiveEvent.DONE, digest))
         except BaseException as e:  # relayed to the handler thread, which owns the status
             if epoch.deadline.cancel.is_set() and epoch.deadline.remaining() > 0:
                 # Whatever the teardown made the receive trip over, the cause is the abort.

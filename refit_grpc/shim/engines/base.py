@@ -51,6 +51,11 @@ class Engine(ABC):
     def status(self, with_digest: bool = False) -> EngineStatus:
         """Health and pause state; the weights digest only when asked (it may read every byte)."""
 
+    def is_paused(self) -> bool:
+        """Whether the engine is paused, as cheaply as the engine can tell (the epoch asks it
+        on the refit path, to know whether to resume after a refusal)."""
+        return self.status().paused
+
     @abstractmethod
     def check_plan(self, plan: RefitPlan) -> None:
         """Raise InvalidPlanError if the plan names tensors the engine cannot load."""
@@ -96,6 +101,11 @@ class Engine(ABC):
     def finish(self, version: int, deadline: Deadline) -> str:
         """Commit `version`; returns the new weights digest where the engine knows it without
         extra work, else "" (Describe still reports it)."""
+
+    def weights_digest(self, deadline: Deadline) -> str:
+        """A digest of the weights as the engine holds them (reads every byte); "" where the
+        engine cannot compute one. Engines holding the same weights give the same digest."""
+        return self.status(with_digest=True).weights_digest
 
     @abstractmethod
     def abort_transfer(self) -> None:

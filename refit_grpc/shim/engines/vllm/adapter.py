@@ -36,6 +36,7 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -126,7 +127,9 @@ class VLLMEngine(Engine):
                     self._paused = bool(body["is_paused"])
                 if self._world_size is None:
                     self._refresh_world_size()
-                return EngineStatus(healthy=True, paused=self._paused, weights_digest="")
+                digest = self.weights_digest(Deadline(self.request_timeout_s)) \
+                    if with_digest else ""
+                return EngineStatus(healthy=True, paused=self._paused, weights_digest=digest)
             except (RefitError, KeyError, TypeError):
                 pass
         try:
@@ -134,8 +137,30 @@ class VLLMEngine(Engine):
                                            "health", at_deadline=False).status == 200
         except RefitError:
             healthy = False
-        # No digest: a checksum inside the worker misses the repacked linear layers on CPU.
         return EngineStatus(healthy=healthy, paused=self._paused, weights_digest="")
+
+    def is_paused(self) -> bool:
+        """The last pause state seen: set by this adapter's own pause/resume and refreshed from
+        GET /is_paused by every status() (the shim's health watcher, each second). Saves a
+        round trip on every epoch; the shim is the engine's only admin client."""
+        with self._lock:
+            return self._paused
+
+    def weights_digest(self, deadline: Deadline) -> str:
+        """SHA-256 over vLLM's own per-parameter checksums (POST /weight_checker `checksum`: a
+        SHA-256 of every parameter's bytes as the engine holds them, keyed by worker rank and
+        name). Engines holding the same weights in the same layout agree. On CPU, linear layers
+        keep their weights in oneDNN's repacked copy, not in a parameter, so those are not
+        covered there (docs/vllm.md); embeddings, norms, biases and the tied head are."""
+        body = self._http.call("POST", "/weight_checker", deadline, what="weight_checker",
+                               body={"action": "checksum"})
+        checksums = body.get("checksums") if isinstance(body, dict) else None
+        if not isinstance(checksums, dict) or not checksums:
+            raise EngineUnavailableError(f"weight_checker gave no checksums: {body!r:.200}")
+        h = hashlib.sha256()
+        for name in sorted(checksums):
+            h.update(f"{name}:{checksums[name]}\n".encode())
+        return h.hexdigest()
 
     def check_plan(self, plan: RefitPlan) -> None:
         """vLLM loads checkpoint names (`model.layers.0.self_attn.q_proj.weight`), fusing them
