@@ -301,8 +301,8 @@ class Fleet:
                     for instance_id in joined]
         if self._closed:
             raise RuntimeError("the fleet is closed")
-        handle = EpochHandle(self._workers, version, requests, self.epoch_timeout_s, self.abort,
-                             on_progress)
+        handle = EpochHandle(self._workers, version, requests, self.epoch_timeout_s,
+                             self._abort_epoch, on_progress)
         with self._epochs_lock:
             # Finished epochs are dropped here, so a long run keeps only the open ones.
             self._epochs = [e for e in self._epochs if not e.closed] + [handle]
@@ -391,6 +391,12 @@ class Fleet:
             except grpc.RpcError:
                 out.append(None)
         return out
+
+    def _abort_epoch(self, reason: str) -> list[pb.AbortResponse | None]:
+        """An epoch gave up: every shim drops its group on Abort, so this fleet has none either
+        (the next epoch needs init_collective/connect first, said before any RPC)."""
+        self._group_id = None
+        return self.abort(reason)
 
     def close(self) -> None:
         """End every open epoch (its streams cancelled, its threads joined), then the channels."""
