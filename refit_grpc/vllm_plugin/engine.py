@@ -1,26 +1,18 @@
-"""The `gloo` weight-transfer backend, running inside vLLM's workers.
+"""The `gloo` weight-transfer backend, running inside vLLM's workers (vLLM >= 0.32's native
+weight-transfer routes: /init_weight_transfer_engine, /start_weight_update, /update_weights,
+/finish_weight_update, /shutdown_weight_transfer_engine).
 
-The wire is the project's own, by construction rather than by a second implementation: the group is
-`refit_grpc.collective.Group.join` (TCPStore client at the trainer's rank 0, PrefixStore
-`refit_grpc/<group_id>`, ProcessGroupGloo on the interface that routes to the master), the buckets
-are `refit_grpc.plan.RefitPlan.buckets` (vLLM's packing rule) and the receive loop is
-`refit_grpc.collective.receive` (num_buffers receives posted ahead, every wait bounded by a
-deadline). The sender is therefore exactly `Fleet.refit`'s.
+Everything the worker does is `layerwise.LayerwiseReceiver`'s, which the Dynamo worker extension
+(`dynamo_extension.py`) shares: the group (`refit_grpc.collective.Group.join`), the packed receive
+(`refit_grpc.collective.receive`), vLLM's layerwise reload with rollback on failure, the tied
+output projection re-processed after a reload, and the abort key in the trainer's TCPStore. This
+module maps vLLM's four phases onto it:
 
-Loading is vLLM's layerwise reload, as its own NCCL backend does: `initialize_layerwise_reload` at
-/start_weight_update, `model.load_weights` per bucket, `finalize_layerwise_reload` at
-/finish_weight_update. Plain `load_weights` fails on CPU (oneDNN repacks linear weights and leaves
-`layer.weight` empty). Two consequences handled here:
-
-- layerwise reload keeps references to the loaded tensors until a layer is complete, and the
-  receive reuses its bucket buffers, so every tensor is copied out of the buffer before loading;
-- a failed receive leaves some layers on the meta device and vLLM drops the session, so the next
-  forward would kill the EngineCore: the session is rolled back (partially loaded layers get their
-  old kernel tensors back; completed layers keep the new weights) before the error propagates;
-- a tied output projection (`tie_word_embeddings`: `lm_head` shares `embed_tokens`' parameter)
-  is re-processed from the embedding once the session ends (`TiedHead`): on CPU vLLM computes
-  logits from a repacked copy of the weight, which the layerwise reload does not rebuild for a
-  layer that received nothing, so the engine kept serving the old output projection.
+    init_transfer_engine(info)  LayerwiseReceiver.join   (rank by vLLM's rule, below)
+    start_weight_update()       LayerwiseReceiver.start  (initialize_layerwise_reload)
+    update_weights(info)        LayerwiseReceiver.update (receive + load; rollback on failure)
+    finish_weight_update()      LayerwiseReceiver.finish (finalize_layerwise_reload)
+    shutdown()                  LayerwiseReceiver.close
 
 The error of a failed update starts with `refit_grpc[applied=A/B]`: A buckets of B reached the
 model. With A == 0 the rollback restored every layer, so the weights are the old ones; the shim
@@ -29,105 +21,38 @@ model. With A == 0 the rollback restored every layer, so the weights are the old
 
 from __future__ import annotations
 
-import datetime
-import logging
-import threading
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.model_executor.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
-    UnquantizedEmbeddingMethod,
-    VocabParallelEmbedding,
-)
 
-from refit_grpc.collective import Group, receive
-from refit_grpc.common import Deadline, GroupSpec
-from refit_grpc.plan import (
-    DEFAULT_BUFFER_SIZE_BYTES,
-    DEFAULT_NUM_BUFFERS,
-    Bucket,
-    Packing,
-    RefitPlan,
-    TensorSpec,
-    dtype_from_name,
+from refit_grpc.collective import Group
+from refit_grpc.vllm_plugin.layerwise import (  # noqa: F401  (TiedRoutes: re-exported)
+    GlooInitInfo,
+    GlooUpdateInfo,
+    LayerwiseReceiver,
+    TiedHead,
+    TiedRoutes,
+    tied_heads,
+    worker_rank,
 )
-from refit_grpc.vllm_info import applied_marker
-
-log = logging.getLogger("vllm.refit_grpc")
 
 
 @dataclass(kw_only=True)
-class RefitGlooInitInfo(WeightTransferInitInfo):
+class RefitGlooInitInfo(GlooInitInfo, WeightTransferInitInfo):
     """`init_info` of POST /init_weight_transfer_engine for this backend."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int  # this engine's first rank; worker rank = dp * (tp * pp) + rank + offset
-    world_size: int
-    group_id: str = "refit"  # the PrefixStore is refit_grpc/<group_id>, as in Group.join
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
-    timeout_s: float = 600.0  # rendezvous, and each update without its own timeout_s
-
-    def __post_init__(self) -> None:
-        if not self.packed:
-            raise ValueError("the refit_grpc gloo backend speaks vLLM's packed format only "
-                             "(packed=true)")
-        if self.rank_offset < 1:
-            raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer), "
-                             f"got {self.rank_offset}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        self.packing.validate()
-
-    @property
-    def packing(self) -> Packing:
-        return Packing(int(self.packed_buffer_size_bytes), int(self.packed_num_buffers))
 
 
 @dataclass
-class RefitGlooUpdateInfo(WeightTransferUpdateInfo):
-    """`update_info` of POST /update_weights: the plan in vLLM's field names, plus a deadline."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    timeout_s: float | None = None  # this update's deadline (the shim passes its epoch's)
-    plan_digest: str | None = None  # if set, the plan rebuilt here must have exactly this digest
-    # A key in the trainer's TCPStore: once someone sets it, this receive gives up at once. The
-    # shim sets it on Abort (vLLM runs worker RPCs one at a time, so /shutdown_weight_transfer_
-    # engine cannot reach a worker blocked in this receive).
-    abort_key: str | None = None
-
-    def __post_init__(self) -> None:
-        n = len(self.names)
-        if len(self.dtype_names) != n or len(self.shapes) != n:
-            raise ValueError(f"names/dtype_names/shapes lengths differ: {n}/"
-                             f"{len(self.dtype_names)}/{len(self.shapes)}")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-
-    def plan(self, packing: Packing) -> RefitPlan:
-        specs = tuple(TensorSpec(name, tuple(int(d) for d in shape), dtype_from_name(dt))
-                      for name, dt, shape in zip(self.names, self.dtype_names, self.shapes))
-        plan = RefitPlan(specs, packing)
-        plan.validate()
-        if self.plan_digest and plan.digest != self.plan_digest:
-            raise ValueError(f"plan digest {plan.digest[:16]} != the sender's "
-                             f"{self.plan_digest[:16]}: the two sides would cut buckets "
-                             "differently")
-        return plan
+class RefitGlooUpdateInfo(GlooUpdateInfo, WeightTransferUpdateInfo):
+    """`update_info` of POST /update_weights: the plan in vLLM's field names, plus a deadline,
+    the plan digest and the abort key (vLLM runs worker RPCs one at a time, so
+    /shutdown_weight_transfer_engine cannot reach a worker blocked in this receive)."""
 
 
 class RefitGlooWeightTransferEngine(
@@ -138,307 +63,48 @@ class RefitGlooWeightTransferEngine(
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group: Group | None = None
-        self.info: RefitGlooInitInfo | None = None
-        self.rank: int | None = None
-        self.last_stats: dict[str, Any] = {}
-        self._applied = 0  # buckets handed to load_weights in the current update
-        self._total = 0
-        self._abort_store: dist.Store | None = None
-        self._tied: list[TiedHead] = []
+        self.receiver = LayerwiseReceiver(model, self.model_config)
+
+    @property
+    def group(self) -> Group | None:
+        return self.receiver.group
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        return self.receiver.last_stats
 
     # --- group -----------------------------------------------------------------------------
 
     def worker_rank(self, rank_offset: int) -> int:
         """vLLM's rule (nccl_common.worker_init_process_group): unique across DP replicas."""
-        pc = self.parallel_config
-        return pc.data_parallel_index * pc.world_size + pc.rank + rank_offset
+        return worker_rank(self.parallel_config, rank_offset)
 
     def init_transfer_engine(self, init_info: RefitGlooInitInfo) -> None:
-        if self.group is not None and not self.group.closed:
-            raise RuntimeError("refit_grpc gloo weight transfer is already initialised; "
-                               "POST /shutdown_weight_transfer_engine first")
-        rank = self.worker_rank(init_info.rank_offset)
-        spec = GroupSpec(init_info.master_address, init_info.master_port, init_info.world_size,
-                         rank, "gloo", init_info.group_id)
-        t0 = time.monotonic()
-        self.group = Group.join(spec, init_info.timeout_s)
-        self.info, self.rank = init_info, rank
-        log.info("refit_grpc gloo: rank %d/%d joined group %s at %s:%d in %.3fs", rank,
-                 init_info.world_size, init_info.group_id, init_info.master_address,
-                 init_info.master_port, time.monotonic() - t0)
+        self.receiver.join(init_info, self.worker_rank(init_info.rank_offset))
 
     def shutdown(self) -> None:
-        group, self.group, self.info = self.group, None, None
-        self._abort_store = None
-        if group is not None:
-            group.close()  # never blocks; peers' pending operations fail at once
+        self.receiver.close()
 
     # --- one update ------------------------------------------------------------------------
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        # Found now: inside the session every layer holds its own meta tensor, the tie is gone.
-        self._tied = tied_heads(self.model)
-        initialize_layerwise_reload(self.model)
+        # vLLM may retarget an update (set_weight_update_target); follow it.
+        self.receiver.model, self.receiver.model_config = self.model, self.model_config
+        self.receiver.start()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # Overrides the base, which ends in torch.accelerator.synchronize(): that raises on a
         # CPU-only host, and every receive here has completed when receive() returns.
-        self._applied, self._total = 0, 0
-        try:
-            self.receive_weights(self.parse_update_info(update_info))
-        except Exception as e:
-            restored = self._rollback_layerwise_reload()
-            # The group is unusable (a peer left, or a receive is still posted): drop it now; the
-            # shim re-forms one (shutdown + init) before the next update.
-            self.shutdown()
-            raise RuntimeError(
-                f"{applied_marker(self._applied, self._total)} receive failed "
-                f"({type(e).__name__}: {e}); rolled back ({restored} partly loaded layers "
-                f"restored{'' if self._applied else ', weights unchanged'})") from e
-        except BaseException:
-            self._rollback_layerwise_reload()
-            raise
+        self.receiver.update(self.parse_update_info(update_info))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: RefitGlooUpdateInfo) -> None:
-        group, info = self.group, self.info
-        if group is None or group.closed or info is None:
-            raise RuntimeError("refit_grpc gloo weight transfer is not initialised; "
-                               "POST /init_weight_transfer_engine first")
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-
-        plan = update_info.plan(info.packing)
-        self._total = len(plan.buckets)
-        self.last_stats = {"buckets": len(plan.buckets), "bytes": plan.total_bytes}
-        deadline = Deadline(update_info.timeout_s or info.timeout_s)
-        routes = TiedRoutes(self._tied, {s.name for s in plan.tensors})
-
-        def apply(bucket: Bucket, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
-            # Counted before loading: a bucket that fails halfway may have completed layers.
-            self._applied += 1
-            loads = []
-            for spec, raw in tensors:
-                tensor = _owned(spec, raw)
-                name = routes.load_as(spec.name, tensor)
-                if name is not None:
-                    loads.append((name, tensor))
-            if loads:
-                with torch.no_grad():
-                    self.model.load_weights(loads)
-
-        watcher = (_AbortWatcher(self._store(info), update_info.abort_key, deadline.cancel)
-                   if update_info.abort_key else None)
-        try:
-            with disable_mtp_completeness_check():
-                stats = receive(group, plan, deadline, apply)
-        finally:
-            if watcher is not None:
-                watcher.stop()
-        self.last_stats.update(seconds=stats.seconds, rank=self.rank)
-        log.info("refit_grpc gloo: received %d buckets, %d bytes in %.3fs", stats.buckets,
-                 stats.bytes, stats.seconds)
-
-    def _store(self, info: RefitGlooInitInfo) -> dist.Store | None:
-        """A client of the trainer's TCPStore, for abort keys (the group's own stays private)."""
-        if self._abort_store is None:
-            try:
-                self._abort_store = dist.TCPStore(
-                    info.master_address, info.master_port, is_master=False,
-                    wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
-            except (RuntimeError, dist.DistError) as e:
-                log.warning("refit_grpc gloo: no abort channel (%s); an abort then waits for "
-                            "the trainer to leave or for the update's timeout", e)
-        return self._abort_store
+        self.receiver.update(update_info)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        for tie in self._tied:
-            tie.expect_nothing_of_its_own()
-        finalize_layerwise_reload(self.model, self.model_config)
-        self._refresh_tied_heads()
-
-    def _refresh_tied_heads(self) -> None:
-        for tie in self._tied:
-            tie.refresh()
-
-    def _rollback_layerwise_reload(self) -> int:
-        """End the layerwise session after a failure; returns how many partly loaded layers got
-        their old kernel tensors back. vLLM's worker drops the session on any update error, so
-        without this the layers still on the meta device would kill the next forward."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-        partial = 0
-        for layer in self.model.modules():
-            info = LAYERWISE_INFO.get(layer)
-            if info is not None and info.can_load() and info.load_numel > 0:
-                # Some but not all of this layer's tensors arrived: drop them, so finalize puts
-                # the old kernel tensors back instead of processing a half-filled layer.
-                info.loaded_weights = []
-                info.load_numel = 0
-                partial += 1
-        try:
-            for tie in self._tied:
-                tie.expect_nothing_of_its_own()
-            finalize_layerwise_reload(self.model, self.model_config)
-            # A completed embedding keeps its new values: its tied head must follow it.
-            self._refresh_tied_heads()
-        except Exception:  # noqa: BLE001  (the original error is what the caller must see)
-            log.exception("refit_grpc gloo: rollback of the layerwise reload failed")
-        log.warning("refit_grpc gloo: update failed after %d buckets; layerwise reload rolled "
-                    "back (%d partly loaded layers restored)", self._applied, partial)
-        return partial
+        self.receiver.finish()
 
 
-@dataclass
-class TiedHead:
-    """An output projection tied to an input embedding: one parameter, two layers.
-
-    After a layerwise reload vLLM hands both layers that parameter back with the new values, but
-    only a layer that received weights is re-processed. On CPU, processing an embedding-shaped
-    layer (`UnquantizedEmbeddingMethod.process_weights_after_loading`) builds `cpu_linear` from a
-    repacked copy of the weight, and logits come from that copy: without `refresh` the head kept
-    the copy made from the previous embedding.
-    """
-
-    head_name: str         # parameter names as the model loads them, e.g. "lm_head.weight" ...
-    embedding_name: str    # ... and "model.embed_tokens.weight"
-    head: ParallelLMHead
-    embedding: VocabParallelEmbedding
-
-    def expect_nothing_of_its_own(self) -> None:
-        """Before finalize: a head that received nothing is not a failed load (vLLM would log
-        "Failed to load weights" at every refit), its tensor is the embedding's."""
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-        info = LAYERWISE_INFO.get(self.head)
-        if info is not None and info.can_load() and info.load_numel == 0:
-            info.load_numel_total = 0
-
-    def refresh(self) -> None:
-        """After finalize: the head holds exactly the embedding's parameter, processed anew."""
-        weight = self.embedding._parameters.get("weight")
-        if weight is None or weight.is_meta:
-            return  # the embedding itself was not restored; nothing sound to tie to
-        if self.head._parameters.get("weight") is not weight:
-            # vLLM gives both layers the same kernel tensor back today; should a later version
-            # not, the head would serve a tensor no load ever reaches.
-            self.head.weight = weight
-        method = getattr(self.head, "quant_method", None)
-        if isinstance(method, UnquantizedEmbeddingMethod):
-            method.process_weights_after_loading(self.head)
-        else:
-            log.warning("refit_grpc gloo: %s is tied to %s but quantized (%s): not re-processed "
-                        "after a refit", self.head_name, self.embedding_name,
-                        type(method).__name__)
-
-
-def tied_heads(model: torch.nn.Module) -> list[TiedHead]:
-    """Every `ParallelLMHead` whose weight is an input embedding's weight (the same Parameter,
-    as `tie_weights` makes it), with both parameter names."""
-    embeddings: dict[int, tuple[str, VocabParallelEmbedding]] = {}
-    heads: list[tuple[str, ParallelLMHead]] = []
-    for name, module in model.named_modules():
-        if isinstance(module, ParallelLMHead):
-            heads.append((name, module))
-        elif isinstance(module, VocabParallelEmbedding):
-            weight = module._parameters.get("weight")
-            if weight is not None:
-                embeddings[id(weight)] = (name, module)
-    found = []
-    for name, head in heads:
-        weight = head._parameters.get("weight")
-        match = embeddings.get(id(weight)) if weight is not None else None
-        if match is not None:
-            found.append(TiedHead(_param_name(name), _param_name(match[0]), head, match[1]))
-    return found
-
-
-def _param_name(module_name: str) -> str:
-    return f"{module_name}.weight" if module_name else "weight"
-
-
-class TiedRoutes:
-    """Which name each received tensor is loaded under, for a model with tied heads.
-
-    The tie means one tensor, so one of the two names is loaded. When a plan names both, the
-    embedding wins and the head's copy is only checked against it (a mismatch fails the update:
-    the engine cannot serve two different matrices through one parameter); vLLM's own
-    checkpoint loader does the same (`AutoWeightsLoader` skips the second name of a tied
-    parameter). A plan with the head's name alone is loaded as the embedding.
-    """
-
-    def __init__(self, tied: list[TiedHead], plan_names: set[str]):
-        self._skip: dict[str, str] = {}      # head name -> embedding name, both in the plan
-        self._rename: dict[str, str] = {}    # head name -> embedding name, head alone
-        for tie in tied:
-            if tie.head_name not in plan_names:
-                continue
-            if tie.embedding_name in plan_names:
-                self._skip[tie.head_name] = tie.embedding_name
-            else:
-                self._rename[tie.head_name] = tie.embedding_name
-        self._pairs = {n: k for k, n in self._skip.items()} | {k: k for k in self._skip}
-        self._first: dict[str, tuple[str, torch.Tensor]] = {}  # pair key -> first arrival
-
-    def load_as(self, name: str, tensor: torch.Tensor) -> str | None:
-        """The name to load `tensor` under, or None to not load it."""
-        if name in self._rename:
-            return self._rename[name]
-        key = self._pairs.get(name)
-        if key is not None:
-            first = self._first.pop(key, None)
-            if first is None:
-                self._first[key] = (name, tensor)  # a reference: the owned copy, no new one
-            else:
-                _check_same(first, (name, tensor))
-        return None if name in self._skip else name
-
-
-def _check_same(a: tuple[str, torch.Tensor], b: tuple[str, torch.Tensor]) -> None:
-    (na, ta), (nb, tb) = a, b
-    if ta.shape != tb.shape or not torch.equal(ta, tb.to(ta.dtype)):
-        raise ValueError(f"{na} and {nb} are one tied parameter in this engine's model, but "
-                         "the trainer sent two different tensors; send the same tensor, or "
-                         "one of the two names")
-
-
-def _owned(spec: TensorSpec, raw: torch.Tensor) -> torch.Tensor:
-    """A typed copy of one tensor's packed bytes: layerwise reload keeps what it is given until
-    the layer completes, and the bucket buffer is reused for a later bucket."""
-    return raw.clone().view(spec.dtype).view(spec.shape)
-
-
-class _AbortWatcher:
-    """Polls the trainer's TCPStore for an abort key and sets the receive's cancel flag; the
-    receive's waits notice it within 50 ms (`common.CANCEL_POLL_S`)."""
-
-    POLL_S = 0.1
-
-    def __init__(self, store: dist.Store | None, key: str, cancel: threading.Event):
-        self._stop = threading.Event()
-        self._thread = None
-        if store is not None:
-            self._thread = threading.Thread(target=self._run, args=(store, key, cancel),
-                                            daemon=True, name="refit-abort-watch")
-            self._thread.start()
-
-    def _run(self, store: dist.Store, key: str, cancel: threading.Event) -> None:
-        while not self._stop.wait(self.POLL_S):
-            try:
-                if store.check([key]):
-                    log.warning("refit_grpc gloo: abort requested (%s)", key)
-                    cancel.set()
-                    return
-            except (RuntimeError, dist.DistError):
-                return  # the trainer's store is gone: so is the sender, the receive fails anyway
-
-    def stop(self) -> None:
-        self._stop.set()
+__all__ = ["RefitGlooInitInfo", "RefitGlooUpdateInfo", "RefitGlooWeightTransferEngine",
+           "TiedHead", "TiedRoutes", "tied_heads"]

@@ -19,15 +19,8 @@ from pathlib import Path
 
 import torch
 
+from refit_grpc.testing.logprobs import SEQUENCE, hf_logprobs  # noqa: F401  (re-exported)
 from refit_grpc.testing.vllm import SERVED_MODEL, VLLMServer, http_json, toy_batch
-
-# 26 tokens. The first 20 follow the toy pattern the trainer learns (t[i+1] = 5 t[i] + 3 mod 512),
-# so the log-probabilities move with training; the last 6 do not, so they are not all
-# predictable ones.
-SEQUENCE = [7]
-for _ in range(19):
-    SEQUENCE.append((5 * SEQUENCE[-1] + 3) % 512)
-SEQUENCE += [11, 400, 3, 250, 77, 9]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -65,15 +58,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-
-
-def hf_logprobs(model, sequence: Sequence[int] = SEQUENCE) -> torch.Tensor:
-    """log p(sequence[i] | sequence[:i]) for i = 1 .. n-1, from one transformers forward (in the
-    model's own dtype; log_softmax in float64)."""
-    ids = torch.tensor([list(sequence)])
-    with torch.no_grad():
-        logits = model(ids).logits[0, :-1].double()
-    return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
 
 
 def engine_logprobs(url: str, sequence: Sequence[int] = SEQUENCE,

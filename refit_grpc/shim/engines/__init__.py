@@ -39,8 +39,15 @@ def _vllm(**options: Any) -> Engine:
     return VLLMEngine(**options)
 
 
+def _dynamo(**options: Any) -> Engine:
+    from refit_grpc.shim.engines.dynamo import DynamoEngine
+
+    return DynamoEngine(**options)
+
+
 register_engine("reference", _reference)
 register_engine("vllm", _vllm)
+register_engine("dynamo", _dynamo)
 
 __all__ = ["Engine", "EngineStatus", "PauseMode", "create_engine", "engine_names",
            "register_engine"]

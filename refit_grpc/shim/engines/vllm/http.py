@@ -79,7 +79,13 @@ def is_loopback(host: str) -> bool:
 
 
 class EngineHttpClient:
-    def __init__(self, url: str, *, request_timeout_s: float, abort_grace_s: float):
+    """`name` (for messages) and `error_mapper` (how a non-2xx answer is typed, default
+    `error_for`) let another engine whose admin routes are local JSON over HTTP too (Dynamo's
+    `/engine/*`) use this client."""
+
+    def __init__(self, url: str, *, request_timeout_s: float, abort_grace_s: float,
+                 name: str = "vLLM",
+                 error_mapper: Callable[[Reply, str, CallKind], RefitError] | None = None):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"engine url must be http(s)://host:port, got {url!r}")
@@ -90,6 +96,8 @@ class EngineHttpClient:
         self.prefix = parts.path.rstrip("/")
         self.request_timeout_s = request_timeout_s
         self.abort_grace_s = abort_grace_s
+        self.name = name
+        self._error_for = error_mapper or error_for
         self._lock = threading.Lock()
         # Bumped by cancel_pending(): a watched call started under an older generation gives up.
         self.generation = 0
@@ -113,7 +121,7 @@ class EngineHttpClient:
                                 gen=self.generation if gen is None else gen, on_cancel=on_cancel)
         if 200 <= reply.status < 300:
             return reply.body
-        raise error_for(reply, f"{what}: vLLM at {self.url}", kind)
+        raise self._error_for(reply, f"{what}: {self.name} at {self.url}", kind)
 
     def roundtrip(self, method: str, path: str, query: dict | None, body: Any, timeout: float,
                    what: str, *, at_deadline: bool, watch: Deadline | None = None,
@@ -184,7 +192,7 @@ class EngineHttpClient:
                     except OSError:
                         pass
                     thread.join(1.0)
-                    raise EpochAbortedError(f"{what}: aborted; vLLM had not answered within "
+                    raise EpochAbortedError(f"{what}: aborted; {self.name} had not answered within "
                                             f"{self.abort_grace_s:.1f}s", reason=Reason.EPOCH_ABORTED)
         if "error" in box:
             raise box["error"]

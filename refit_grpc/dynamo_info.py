@@ -1,0 +1,70 @@
+"""What NVIDIA Dynamo's RL admin routes take and answer, in one place for every caller: the shim's
+`dynamo` engine, the worker extension inside Dynamo's vLLM worker, the direct-route baseline of
+the measurements and the discovery integration. Pure: no vLLM, no gRPC.
+
+A Dynamo vLLM worker started with `--enable-rl` serves `{system_url}/engine/<route>` (POST or GET,
+JSON; an empty body is `{}`). A handler's failure is HTTP 200 with `{"status": "error",
+"message": ...}`; an unknown route is 404, a body that is not JSON 400. The weight-transfer routes
+forward to vLLM worker methods named by `engine_rpc`, with the rest of the body as keyword
+arguments (`update_weights_from_distributed` keeps its reserved keys for itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refit_grpc.common import GroupSpec
+from refit_grpc.plan import RefitPlan
+from refit_grpc.vllm_info import init_info_for, update_info_for
+
+# Routes, under {system_url}/engine/.
+LIVENESS = "liveness_probe"
+PAUSE = "pause_generation"
+RESUME = "resume_generation"
+FLUSH_CACHE = "flush_cache"
+INIT_GROUP = "init_weights_update_group"
+UPDATE_DISTRIBUTED = "update_weights_from_distributed"
+DESTROY_GROUP = "destroy_weights_update_group"
+GET_VERSION = "get_weight_version"
+SET_VERSION = "set_weight_version"
+
+# Dynamo's own defaults for `engine_rpc`; the project's worker extension
+# (refit_grpc.vllm_plugin.dynamo_extension.RefitGlooWorkerExtension) defines these methods.
+INIT_RPC = "init_broadcaster"
+UPDATE_RPC = "update_weights_from_path"
+DESTROY_RPC = "destroy_broadcaster"
+WORKER_EXTENSION = "refit_grpc.vllm_plugin.dynamo_extension.RefitGlooWorkerExtension"
+
+# Dynamo shuts the whole worker down (os._exit) when init_weights_update_group outlives this.
+INIT_TIMEOUT_ENV = "DYN_RL_INIT_WEIGHTS_TIMEOUT_S"
+INIT_TIMEOUT_DEFAULT_S = 30.0
+
+# Discovery: GET {frontend}:{DYN_RL_PORT, 8001}/v1/rl/workers.
+DISCOVERY_PATH = "/v1/rl/workers"
+DISCOVERY_PROTOCOL_VERSION = 1
+
+
+def join_limit_s(dynamo_limit_s: float) -> float:
+    """The longest join that ends before Dynamo's limit shuts the worker down: a margin of 10%
+    (at least two seconds) for the call's way through Dynamo, the EngineCore and the worker on
+    a loaded machine (Dynamo's clock starts before the call reaches the worker)."""
+    return max(dynamo_limit_s - max(2.0, 0.1 * dynamo_limit_s), 0.5)
+
+
+def init_body(spec: GroupSpec, plan: RefitPlan, timeout_s: float) -> dict[str, Any]:
+    """The body of `init_weights_update_group`: the gloo backend's init info (the keyword
+    arguments of the extension's `init_broadcaster`)."""
+    return {**init_info_for(spec, plan, timeout_s), "engine_rpc": INIT_RPC}
+
+
+def update_body(plan: RefitPlan, timeout_s: float, abort_key: str | None) -> dict[str, Any]:
+    """The body of `update_weights_from_distributed`: the plan, this update's deadline, the plan
+    digest and the abort key (the extension's `update_weights_from_path` keyword arguments), plus
+    Dynamo's reserved keys: the worker must be paused, and Dynamo resets the prefix cache after
+    the update (the old weights computed it)."""
+    return {**update_info_for(plan, "gloo", timeout_s, abort_key), "engine_rpc": UPDATE_RPC,
+            "allow_unpaused": False, "reset_prefix_cache": True}
+
+
+def destroy_body() -> dict[str, Any]:
+    return {"engine_rpc": DESTROY_RPC}
