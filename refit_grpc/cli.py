@@ -148,11 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     shim = sub.add_parser("shim", help="serve RefitService next to one engine")
-    shim.add_argument("--engine", default="reference")
+    shim.add_argument("--engine", default="reference", help="reference, vllm or dynamo")
     shim.add_argument("--address", default="127.0.0.1:50051",
                       help="listen address (default loopback; port 0 picks a free one)")
     shim.add_argument("--engine-url", default="http://127.0.0.1:8000",
-                      help="where the engine's own server listens (vllm: its OpenAI server)")
+                      help="where the engine's own server listens (vllm: its OpenAI server; "
+                           "dynamo: the worker's system_url)")
     shim.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                       help="engine-specific option, passed to the engine's constructor")
     shim.add_argument("--model", choices=["tiny-lm", "none"], default="tiny-lm",
