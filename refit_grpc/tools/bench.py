@@ -99,8 +99,9 @@ def materialize(specs: Sequence[TensorSpec], seed: int = 0) -> dict[str, torch.T
 
 
 def bare_receiver(ports: dict[str, int], world: int, rank: int, workload: dict, buffer_size: int,
-                  num_buffers: int, reps: int) -> None:
-    """One receiver rank of the three arms without a control plane, in the trainer's order."""
+                  num_buffers: int, reps: int, arms: Sequence[str] = ("floor", "per-tensor", "raw")
+                  ) -> None:
+    """One receiver rank of the arms without a control plane, in the trainer's order."""
     torch.set_num_threads(1)
     plan = RefitPlan(tuple(workload_specs(workload)), Packing(buffer_size, num_buffers))
     groups = {arm: Group.join(GroupSpec("127.0.0.1", ports[arm], world, rank, "gloo", arm),
@@ -113,7 +114,7 @@ def bare_receiver(ports: dict[str, int], world: int, rank: int, workload: dict, 
         offset += s.nbytes
     ack = torch.zeros(1)
     for _ in range(reps):
-        for arm in ("floor", "per-tensor", "raw"):
+        for arm in arms:
             group = groups[arm]
             deadline = Deadline(_TIMEOUT_S)
             if arm == "floor":
@@ -197,7 +198,7 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
             bare_procs = [subprocess.Popen([sys.executable, "-c", (
                 "from refit_grpc.tools.bench import bare_receiver; "
                 f"bare_receiver({ports!r}, {world}, {r}, {workload!r}, {buffer_size_bytes}, "
-                f"{num_buffers}, {reps + 1})")]) for r in range(1, world)]
+                f"{num_buffers}, {reps + 1}, {tuple(bare)!r})")]) for r in range(1, world)]
             procs += bare_procs
             groups = {a: Group.join(GroupSpec("127.0.0.1", ports[a], world, 0, "gloo", a),
                                     _TIMEOUT_S) for a in ("floor", "per-tensor", "raw")}
@@ -223,7 +224,7 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                     group.broadcast_async(ack, deadline).wait(deadline, "ack")
                 return run
 
-            for a in ("floor", "per-tensor", "raw"):
+            for a in bare:
                 runners[a] = bare_arm(a)
                 receivers[a] = [p.pid for p in bare_procs]
 
