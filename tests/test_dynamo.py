@@ -472,6 +472,9 @@ def test_a_join_that_outlives_dynamos_limit_is_typed_and_the_shim_reports_the_wo
     wait_until(lambda: worker.proc.poll() is not None, 20)
     assert worker.proc.returncode == 1  # Dynamo's os._exit(1)
     wait_health(shim.address, health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+    # Dynamo's exit leaves its vLLM worker asleep in the join (it ignores SIGTERM for the 20 s
+    # the teardown would wait): what is left of it goes now.
+    worker.kill()
 
 
 def wait_until(predicate, timeout_s: float) -> None:

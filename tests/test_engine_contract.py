@@ -1,10 +1,12 @@
 """The Engine contract (`refit_grpc/shim/engines/base.py`), one set of tests run on every engine:
-the reference engine in this process, and the vLLM engine in front of a real vLLM CPU server.
+the reference engine in this process, the vLLM engine in front of a real vLLM CPU server, and the
+Dynamo engine in front of a real NVIDIA Dynamo vLLM worker (with Dynamo's frontend).
 
 Every test drives the engine directly, as the shim does, with real processes and real gloo groups:
 the trainer is `Group.join` as rank 0 plus `Sender`. Adding an engine means adding one
 `Subject` below; every contract item then runs on it. The vLLM server is started once for the
-module, on the first vLLM case; where vLLM is not installed only those cases skip.
+module, on the first vLLM case, and the Dynamo worker on the first Dynamo case; where vLLM or
+Dynamo's venv is not installed only those cases skip.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import EpochAbortedError, RefitError, RefitTimeoutError
 from refit_grpc.plan import Bucket, Packing, RefitPlan, weights_digest
 from refit_grpc.shim.engines.base import Engine
+from refit_grpc.shim.engines.dynamo import DynamoEngine
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.engines.vllm import VLLMEngine
 
+from dynamo_support import require_dynamo
 from support import free_port, info, join_trainer
 from vllm_support import require_vllm, tiny_model_dir
 from vllm_support.servers import ServerPool
@@ -32,7 +36,7 @@ from vllm_support.servers import ServerPool
 # The first vLLM case starts the module's server (about 40 s here, minutes on a loaded host).
 pytestmark = pytest.mark.timeout(600)
 
-ENGINES = ("reference", "vllm")
+ENGINES = ("reference", "vllm", "dynamo")
 STEP_S = 30.0      # the deadline of a control call (pause, resume, join, ...)
 EPOCH_S = 60.0     # the deadline of a transfer that is expected to succeed
 GEN = 4            # tokens compared with the transformers forward (vLLM)
@@ -124,10 +128,63 @@ def vllm_trainer(vllm_server) -> dict:
             "before": hf_greedy(model, PROMPT, GEN)}
 
 
+def dynamo_subject(rig: dict) -> Subject:
+    from refit_grpc.testing.dynamo import frontend_greedy, frontend_logprobs
+    from refit_grpc.testing.logprobs import SEQUENCE, hf_logprobs
+    from refit_grpc.testing.vllm import PROMPT, hf_greedy
+
+    worker, frontend, model = rig["worker"], rig["frontend"], rig["model"]
+    engine = DynamoEngine(worker.url, request_timeout_s=STEP_S, abort_grace_s=3.0)
+
+    def holds(plan: RefitPlan, weights: dict[str, torch.Tensor], version: int) -> None:
+        assert worker.post("get_weight_version")[1]["version"] == version
+        model.load_state_dict(weights)
+        want = hf_greedy(model, PROMPT, GEN)
+        assert want != rig["before"], "these weights cannot be told from the old ones"
+        engine.resume(Deadline(STEP_S))
+        assert frontend_greedy(frontend.url, None, PROMPT, GEN) == want
+        gap = (frontend_logprobs(frontend.url, None, SEQUENCE) - hf_logprobs(model)).abs().max()
+        assert gap <= 2e-3, gap
+
+    return Subject(engine, Packing(256 * 1024, 2), rig["base"], holds, settle_s=1.5)
+
+
+@pytest.fixture(scope="module")
+def dynamo_rig(tmp_path_factory) -> Iterator[dict]:
+    """One Dynamo worker and the frontend (file discovery) for the module's Dynamo cases."""
+    require_vllm()  # the trainer's transformers
+    require_dynamo()  # skips the Dynamo cases only, with the stated reason
+    from refit_grpc.testing.dynamo import DynamoFrontend, DynamoWorker, build_dynamo_model
+    from refit_grpc.testing.vllm import PROMPT, hf_greedy, load_hf_model
+
+    logs = tmp_path_factory.mktemp("dynamo")
+    model_dir = build_dynamo_model(logs / "tiny")
+    (logs / "discovery").mkdir()
+    worker = DynamoWorker(model_dir, logs / "discovery", log_path=logs / "worker.log")
+    frontend = DynamoFrontend(logs / "discovery", log_path=logs / "frontend.log")
+    try:
+        worker.start()
+        frontend.start()
+        worker.wait_ready(300)
+        frontend.wait_ready(60)
+        frontend.wait_for([worker.url])
+        model = load_hf_model(model_dir)
+        yield {"worker": worker, "frontend": frontend, "model": model,
+               "base": {n: t.detach().clone() for n, t in model.state_dict().items()},
+               "before": hf_greedy(model, PROMPT, GEN)}
+    finally:
+        for p in (frontend, worker):
+            p.stop()
+        left = worker.group_pids() + frontend.group_pids()
+        assert not left, f"Dynamo processes outlived the module: {left}"
+
+
 @pytest.fixture(params=ENGINES)
 def subject(request) -> Iterator[Subject]:
     if request.param == "reference":
         s = reference_subject()
+    elif request.param == "dynamo":
+        s = dynamo_subject(request.getfixturevalue("dynamo_rig"))
     else:
         s = vllm_subject(request.getfixturevalue("vllm_server"),
                          request.getfixturevalue("vllm_trainer"))
