@@ -339,9 +339,20 @@ class DynamoEngine(Engine):
         blocked inside the update (Dynamo serialises the weight routes, and vLLM runs worker
         RPCs one at a time). Best effort, bounded."""
         import datetime
+        import socket
 
         import torch.distributed as dist
 
+        try:
+            # Probed first: torch's TCPStore client retries a failed connect after a random
+            # delay (seconds), which would hold the abort up when the trainer is gone.
+            with socket.create_connection((group.master_address, group.master_port),
+                                          timeout=min(self.abort_grace_s, 1.0)):
+                pass
+        except OSError as e:
+            log.info("abort key not set (the trainer's store is gone: %s): the worker fails "
+                     "with the trainer", e)
+            return
         try:
             store = dist.TCPStore(group.master_address, group.master_port, is_master=False,
                                   wait_for_workers=False,

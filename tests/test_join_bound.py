@@ -1,0 +1,27 @@
+"""`Group.join` ends at its timeout when no master ever listens. torch's TCPStore client alone
+does not: it tries a timed-out connect once more after a random delay, so a 3 s timeout took
+7.3 s and a 9 s one 16.9 s (measured, torch 2.13), which let Dynamo's own 10 s limit on group
+init fire first and shut a worker down (docs/dynamo.md)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from refit_grpc.collective import Group
+from refit_grpc.common import GroupSpec
+from refit_grpc.errors import RefitTimeoutError
+
+from support import free_port
+
+
+@pytest.mark.parametrize("timeout_s", [1.0, 3.0])
+def test_a_join_with_no_master_ends_at_its_timeout(timeout_s):
+    spec = GroupSpec("127.0.0.1", free_port(), 2, 1, "gloo", "no-master")
+    t0 = time.monotonic()
+    with pytest.raises(RefitTimeoutError) as info:
+        Group.join(spec, timeout_s)
+    took = time.monotonic() - t0
+    assert info.value.reason == "RENDEZVOUS_TIMEOUT"
+    assert timeout_s - 0.05 <= took < timeout_s + 0.5, took
