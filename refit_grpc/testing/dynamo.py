@@ -3,7 +3,7 @@ with the project's worker extension) and the frontend, on one machine, with file
 TCP request plane (no etcd, no NATS), every port on loopback.
 
 Dynamo runs from its own virtual environment (`make dynamo` builds `.venv-dynamo`: Dynamo 1.6.1 on
-vLLM's CPU build 0.31.0, see scripts/install_dynamo.sh); the test process and the shims run from
+vLLM's CPU build 0.31.0, see docker/install_dynamo.sh); the test process and the shims run from
 the project's. `dynamo_python()` finds it (`REFIT_GRPC_DYNAMO_PYTHON` overrides).
 
 Each process runs in its own session (process group), so `stop()` and `kill()` reach the worker's

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A virtual environment with NVIDIA Dynamo 1.6.1's vLLM worker and frontend on the CPU build of
 # vLLM, for tests/test_dynamo.py and `make demo-dynamo` (`make dynamo` runs this when the venv is
-# missing). Usage: scripts/install_dynamo.sh VENV   (from the repository root)
+# missing). Usage: docker/install_dynamo.sh VENV   (from the repository root)
 #
 # What it takes, and why (docs/dynamo.md, "Installing Dynamo"):
 # 1. torch 2.13.0 first, so nothing pulls a CUDA build.
