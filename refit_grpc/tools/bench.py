@@ -40,6 +40,7 @@ from refit_grpc.testing.ports import free_port
 ARMS = ("floor", "per-tensor", "raw", "refit_grpc", "http")
 _TIMEOUT_S = 300.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # --- workloads ------------------------------------------------------------------------------
@@ -140,6 +141,16 @@ def _rss(pid: int) -> int:
         return 0
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
 class PeakRss:
     """Samples the resident memory of some processes while an epoch runs: peak minus start."""
 
@@ -189,6 +200,7 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
     shims, fleet, http = [], None, None
     times: dict[str, list[float]] = {a: [] for a in arms}
     memory: dict[str, list[tuple[int, int]]] = {a: [] for a in arms}  # (sender, max receiver)
+    cpu: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}  # (sender, all receivers)
     try:
         runners: dict[str, Callable[[int], None]] = {}
         receivers: dict[str, list[int]] = {}
@@ -267,13 +279,17 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
         for i in range(reps + 1):
             for arm in arms:
                 sampler = PeakRss([me, *receivers[arm]])
+                cpu0 = [_cpu_seconds(p) for p in (me, *receivers[arm])]
                 t0 = time.monotonic()
                 runners[arm](i + 1)
                 elapsed = time.monotonic() - t0
+                cpu1 = [_cpu_seconds(p) for p in (me, *receivers[arm])]
                 growth = sampler.stop()
                 if i:  # the first rep is a warm-up (first-touch allocations, connections)
                     times[arm].append(elapsed)
                     memory[arm].append((growth[me], max(growth[p] for p in receivers[arm])))
+                    used = [b - a for a, b in zip(cpu0, cpu1)]
+                    cpu[arm].append((used[0], sum(used[1:])))
             say(f"rep {i}{' (warm-up)' if i == 0 else ''} done")
     finally:
         if fleet is not None:
@@ -290,7 +306,7 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
-    _report(times, memory, plan, workers, say)
+    _report(times, memory, cpu, plan, workers, say)
     return times
 
 
@@ -301,21 +317,30 @@ def _printer(out) -> Callable[[str], None]:
 
 
 def _report(times: dict[str, list[float]], memory: dict[str, list[tuple[int, int]]],
-            plan: RefitPlan, workers: int, say: Callable[[str], None]) -> None:
+            cpu: dict[str, list[tuple[float, float]]], plan: RefitPlan, workers: int,
+            say: Callable[[str], None]) -> None:
     med = {a: statistics.median(t) for a, t in times.items() if t}
     floor = med.get("floor")
     bound = plan.packing.num_buffers * plan.packing.buffer_size_bytes
     say(f"world {workers + 1} ({workers} receivers), {plan.total_bytes / 1e6:.1f} MB, "
         f"medians of {len(next(iter(times.values())))}:")
     say(f"{'arm':<11} {'median ms':>10} {'min..max ms':>17} {'GB/s':>6} {'/floor':>7} "
-        f"{'sender +MB':>10} {'receiver +MB':>12}")
+        f"{'sender +MB':>10} {'receiver +MB':>12} {'sender cpu s':>12} {'receivers cpu s':>15} "
+        f"{'cores busy':>10}")
     for arm, t in times.items():
         m = med[arm]
         ratio = f"{m / floor:.2f}x" if floor else "-"
         send_mb = max(s for s, _ in memory[arm]) / 1e6
         recv_mb = max(r for _, r in memory[arm]) / 1e6
+        # CPU time of the sender and of all receivers (shims, HTTP servers) during the epoch,
+        # medians; "cores busy" = their sum over the wall time: on a saturated host the arms
+        # trade CPU seconds, not wire time.
+        send_cpu = statistics.median(c for c, _ in cpu[arm])
+        recv_cpu = statistics.median(c for _, c in cpu[arm])
+        busy = statistics.median((a + b) / w for (a, b), w in zip(cpu[arm], t))
         say(f"{arm:<11} {m * 1e3:10.1f} {min(t) * 1e3:8.1f}..{max(t) * 1e3:<8.1f} "
-            f"{plan.total_bytes / m / 1e9:6.3f} {ratio:>7} {send_mb:10.1f} {recv_mb:12.1f}")
+            f"{plan.total_bytes / m / 1e9:6.3f} {ratio:>7} {send_mb:10.1f} {recv_mb:12.1f} "
+            f"{send_cpu:12.2f} {recv_cpu:15.2f} {busy:10.2f}")
     if "refit_grpc" in med and "http" in med:
         say(f"refit_grpc/HTTP-JSON {med['refit_grpc'] / med['http']:.2f}x")
     if "refit_grpc" in med and "per-tensor" in med:

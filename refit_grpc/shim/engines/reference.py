@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from refit_grpc.collective import Group, receive
+from refit_grpc.collective import Group, copy_bytes, receive
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
     CollectiveError,
@@ -300,8 +300,7 @@ class ReferenceEngine(Engine):
     def _apply(self, bucket: Bucket, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
         with torch.no_grad():
             for spec, raw in tensors:
-                dst = self._weights[spec.name]
-                dst.reshape(-1).view(torch.uint8).copy_(raw)
+                copy_bytes(self._weights[spec.name].reshape(-1).view(torch.uint8), raw)
 
     def finish(self, version: int, deadline: Deadline) -> str:
         return ""
