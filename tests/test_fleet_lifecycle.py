@@ -16,7 +16,7 @@ from support import fleet_mid_epoch, tensors_v
 
 
 def epoch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("epoch-v")]
+    return [t for t in threading.enumerate() if t.name.startswith("epoch-stream")]
 
 
 def test_close_ends_an_open_epoch_and_joins_its_threads(shim):

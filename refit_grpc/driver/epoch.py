@@ -1,5 +1,5 @@
 """One UpdateWeights epoch as the trainer sees it: a stream per worker, consumed on threads the
-epoch owns, and the two waits of the two-phase start (every ACCEPTED, then every COMMITTED)."""
+fleet keeps, and the two waits of the two-phase start (every ACCEPTED, then every COMMITTED)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import grpc
@@ -54,15 +56,18 @@ class StreamPhase(enum.Enum):
 
 
 class EpochHandle:
-    """One UpdateWeights stream per worker, each consumed on a thread the epoch owns.
+    """One UpdateWeights stream per worker, each consumed on a thread of the fleet's stream
+    pool (`streams`): threads that outlive one epoch, because starting a thread waits for it
+    to be scheduled, and on a loaded host 8 such starts cost the epoch more than its messages.
 
-    `close()` cancels every stream still open and joins the threads; `Fleet.close()` closes
-    every epoch it opened, so no thread outlives the fleet.
+    `close()` cancels every stream still open and waits for its consumers; `Fleet.close()`
+    closes every epoch it opened, then its pool, so no thread outlives the fleet.
     """
 
     def __init__(self, workers: Sequence[WorkerLink], version: int,
                  requests: Sequence[pb.UpdateWeightsRequest], timeout_s: float,
-                 abort_fleet: AbortFleet, on_progress: ProgressCallback | None = None):
+                 abort_fleet: AbortFleet, on_progress: ProgressCallback | None = None, *,
+                 streams: Executor):
         self.version = version
         self.started_at = time.monotonic()
         self.deadline_at = self.started_at + timeout_s
@@ -83,13 +88,12 @@ class EpochHandle:
         # Set by the first worker failure: the sender watches it, so a lost peer stops the
         # broadcast in seconds rather than at the epoch deadline.
         self.failed = threading.Event()
-        self._calls = [w.stub.UpdateWeights(r, timeout=timeout_s, metadata=w.metadata)
-                       for w, r in zip(self._workers, requests)]
-        self._threads = [threading.Thread(target=self._consume, args=(i, w, call), daemon=True,
-                                          name=f"epoch-v{version}-{i}")
-                         for i, (w, call) in enumerate(zip(self._workers, self._calls))]
-        for t in self._threads:
-            t.start()
+        # Each stream is opened on its consumer's thread: opening one costs about a millisecond
+        # of Python on a loaded host, and the shims answer the first ones while later ones open.
+        self._calls: list[grpc.Call | None] = [None] * n
+        self._cancelled = False
+        self._consumers = [streams.submit(self._consume, i, w, r)
+                           for i, (w, r) in enumerate(zip(self._workers, requests))]
 
     # --- public surface ----------------------------------------------------------------------
 
@@ -181,24 +185,33 @@ class EpochHandle:
 
     def cancel(self) -> None:
         """Cancel every stream still open (the shims see their caller go away)."""
-        for call in self._calls:
+        with self._changed:
+            self._cancelled = True
+            calls = [c for c in self._calls if c is not None]
+        for call in calls:
             call.cancel()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Cancel what is still open and join the stream threads."""
+        """Cancel what is still open and wait (bounded) for the stream consumers to end."""
         self.cancel()
-        end = time.monotonic() + timeout_s
-        for t in self._threads:
-            t.join(max(end - time.monotonic(), 0.0))
+        futures.wait(self._consumers, timeout=timeout_s)
 
     @property
     def closed(self) -> bool:
-        return not any(t.is_alive() for t in self._threads)
+        return all(f.done() for f in self._consumers)
 
     # --- the streams -------------------------------------------------------------------------
 
-    def _consume(self, i: int, w: WorkerLink, call) -> None:
+    def _consume(self, i: int, w: WorkerLink, request: pb.UpdateWeightsRequest) -> None:
         try:
+            call = w.stub.UpdateWeights(
+                request, timeout=max(self.deadline_at - time.monotonic(), 0.001),
+                metadata=w.metadata)
+            with self._changed:
+                self._calls[i] = call
+                cancelled = self._cancelled
+            if cancelled:  # cancel() ran while this stream was opening
+                call.cancel()
             for msg in call:
                 with self._changed:
                     if msg.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:

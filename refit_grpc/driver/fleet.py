@@ -112,6 +112,11 @@ class Fleet:
                          for e, c in zip(self.endpoints, self._channels)]
         self._pool = ThreadPoolExecutor(max_workers=min(64, 2 * len(self._workers) + 4),
                                         thread_name_prefix="fleet")
+        # The consumers of epoch streams, apart from `_pool` so that an epoch's streams can
+        # never hold up the unary calls (Abort) that end it. Threads start on demand and are
+        # reused by later epochs; room for a few epochs still closing next to the open one.
+        self._streams = ThreadPoolExecutor(max_workers=4 * len(self._workers) + 4,
+                                           thread_name_prefix="epoch-stream")
         self._epochs: list[EpochHandle] = []
         self._epochs_lock = threading.Lock()
         self._closed = False
@@ -302,7 +307,7 @@ class Fleet:
         if self._closed:
             raise RuntimeError("the fleet is closed")
         handle = EpochHandle(self._workers, version, requests, self.epoch_timeout_s,
-                             self._abort_epoch, on_progress)
+                             self._abort_epoch, on_progress, streams=self._streams)
         with self._epochs_lock:
             # Finished epochs are dropped here, so a long run keeps only the open ones.
             self._epochs = [e for e in self._epochs if not e.closed] + [handle]
@@ -408,6 +413,9 @@ class Fleet:
         for channel in self._channels:
             channel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        # Every consumer has ended when its epoch closed (bounded); then only idle threads are
+        # left, and waiting for them is immediate. A consumer still running is not waited for.
+        self._streams.shutdown(wait=all(e.closed for e in epochs), cancel_futures=True)
 
     def __enter__(self) -> Fleet:
         return self

@@ -284,18 +284,20 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             receiver: threading.Thread | None = None
             try:
                 self.engine.pause(mode, deadline)
-                yield pb.UpdateWeightsResponse(phase=pb.UPDATE_WEIGHTS_PHASE_ACCEPTED,
-                                               version=request.version,
-                                               bucket_count=len(plan.buckets),
-                                               seconds=time.monotonic() - t0)
-                t_accept = time.monotonic()
                 # The receive runs on its own thread so a slow client reading PROGRESS can never
-                # stall the collective; the stream just relays its events.
+                # stall the collective; the stream just relays its events. It starts before
+                # ACCEPTED goes out, so its first receives are already posted when the trainer,
+                # having every ACCEPTED, starts to send: no thread start on the critical path.
                 events: queue.Queue = queue.Queue()
                 receiver = threading.Thread(
                     target=self._receive, args=(plan, epoch, events), daemon=True,
                     name=f"receive-v{request.version}")
+                t_accept = time.monotonic()
                 receiver.start()
+                yield pb.UpdateWeightsResponse(phase=pb.UPDATE_WEIGHTS_PHASE_ACCEPTED,
+                                               version=request.version,
+                                               bucket_count=len(plan.buckets),
+                                               seconds=t_accept - t0)
                 while True:
                     try:
                         kind, value = events.get(timeout=max(deadline.remaining(), 0.0) + 5.0)
@@ -304,6 +306,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     if kind is ReceiveEvent.ERROR:
                         raise value
                     if kind is ReceiveEvent.BUCKET:
+                        if not events.empty():
+                            # Behind the receive: only the newest bucket is news (PROGRESS is
+                            # "applied up to here"), and COMMITTED, if it is already queued,
+                            # says everything. One message less per bucket on a loaded host.
+                            continue
                         yield pb.UpdateWeightsResponse(
                             phase=pb.UPDATE_WEIGHTS_PHASE_PROGRESS, version=request.version,
                             bucket_index=value.index, bucket_count=len(plan.buckets),
