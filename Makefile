@@ -86,7 +86,7 @@ demo-dynamo: proto vllm dynamo
 # Every arm (floor, per-tensor, raw, refit_grpc, HTTP-JSON) side by side on the realistic 1 GiB
 # decoder mix, for a trainer and 1 receiver, then 4 (docs/bench.md). About 5 minutes.
 bench: proto
-	$(VENV)/bin/refit-grpc bench --world 2 --world 5
+	$(VENV)/bin/refit-grpc bench --world 2 --world 5 --reps 7
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) build *.egg-info refit_grpc/v1/*_pb2*.py refit_grpc/v1/*_pb2*.pyi

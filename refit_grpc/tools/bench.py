@@ -9,8 +9,9 @@ receiver processes over gloo on loopback, and ends when every receiver has the b
   control plane: what the data path costs on top of the floor.
 - refit_grpc: `Fleet.refit(..., flush=False)` against shim processes (reference engine, store
   mode): membership check, UpdateWeights, two-phase start, broadcast, apply, every COMMITTED.
-- HTTP-JSON: the seed's control plane (`refit_grpc.tools.bench_http`): per worker, JSON posts to
-  start, update (blocking while the trainer broadcasts) and finish, same engine and receiver.
+- HTTP-JSON: the seed's way (`refit_grpc.tools.bench_http`): per worker, JSON posts to start,
+  update (blocking while the trainer broadcasts) and finish, the trainer sending with vLLM's
+  packed producer (a fresh `torch.cat` per bucket); same engine and receiver as refit_grpc.
 
 The arms are interleaved rep by rep (floor, per-tensor, raw, refit_grpc, HTTP-JSON, floor, ...) so
 background load hits every arm alike; the first rep is a warm-up. Each arm's time is reported as
@@ -182,7 +183,7 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
               num_buffers: int = 2, reps: int = 3, arms: Sequence[str] = ARMS,
               out=sys.stdout) -> dict[str, list[float]]:
     """Every arm side by side, interleaved rep by rep; prints the table and returns the times."""
-    from refit_grpc.tools.bench_http import HttpFleet
+    from refit_grpc.tools.bench_http import HttpFleet, SeedSender
 
     workload = workload or {"kind": "realistic", "total_mb": 1024}
     specs = workload_specs(workload)
@@ -201,6 +202,9 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
     times: dict[str, list[float]] = {a: [] for a in arms}
     memory: dict[str, list[tuple[int, int]]] = {a: [] for a in arms}  # (sender, max receiver)
     cpu: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}  # (sender, all receivers)
+    # Growth in the warm-up epoch, (sender, max receiver): the buffers a side allocates once and
+    # keeps for every later epoch (bucket buffers), which the later epochs' growth cannot show.
+    first: dict[str, tuple[int, int]] = {}
     try:
         runners: dict[str, Callable[[int], None]] = {}
         receivers: dict[str, list[int]] = {}
@@ -264,7 +268,7 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                                               "http-bench"), _TIMEOUT_S)
             for f in joins:
                 f.result(_TIMEOUT_S)
-            http_sender = Sender(http_group, plan)
+            http_sender = SeedSender(http_group, plan)
 
             def http_arm(version: int) -> None:
                 futures = http.update_weights(version)
@@ -285,6 +289,8 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                 elapsed = time.monotonic() - t0
                 cpu1 = [_cpu_seconds(p) for p in (me, *receivers[arm])]
                 growth = sampler.stop()
+                if not i:
+                    first[arm] = (growth[me], max(growth[p] for p in receivers[arm]))
                 if i:  # the first rep is a warm-up (first-touch allocations, connections)
                     times[arm].append(elapsed)
                     memory[arm].append((growth[me], max(growth[p] for p in receivers[arm])))
@@ -306,7 +312,7 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
-    _report(times, memory, cpu, plan, workers, say)
+    _report(times, memory, cpu, first, plan, workers, say)
     return times
 
 
@@ -317,8 +323,8 @@ def _printer(out) -> Callable[[str], None]:
 
 
 def _report(times: dict[str, list[float]], memory: dict[str, list[tuple[int, int]]],
-            cpu: dict[str, list[tuple[float, float]]], plan: RefitPlan, workers: int,
-            say: Callable[[str], None]) -> None:
+            cpu: dict[str, list[tuple[float, float]]], first: dict[str, tuple[int, int]],
+            plan: RefitPlan, workers: int, say: Callable[[str], None]) -> None:
     med = {a: statistics.median(t) for a, t in times.items() if t}
     floor = med.get("floor")
     bound = plan.packing.num_buffers * plan.packing.buffer_size_bytes
@@ -346,4 +352,8 @@ def _report(times: dict[str, list[float]], memory: dict[str, list[tuple[int, int
     if "refit_grpc" in med and "per-tensor" in med:
         say(f"per-tensor/refit_grpc {med['per-tensor'] / med['refit_grpc']:.2f}x "
             "(how much faster refit_grpc is than the naive refit)")
-    say(f"memory bound num_buffers x bucket = {bound / 1e6:.1f} MB (x1.1 = {1.1 * bound / 1e6:.1f})")
+    say(f"memory bound num_buffers x bucket = {bound / 1e6:.1f} MB (x1.1 = {1.1 * bound / 1e6:.1f})"
+        f"; by vLLM's rule a bucket closes after the tensor that crosses the size, so this plan's "
+        f"largest bucket is {max(b.nbytes for b in plan.buckets) / 1e6:.1f} MB")
+    say("kept from the warm-up epoch (buffers allocated once), sender / worst receiver: " + ", ".join(
+        f"{arm} {s / 1e6:.1f} / {r / 1e6:.1f} MB" for arm, (s, r) in first.items()))

@@ -2,9 +2,10 @@
 
 NeMo RL's Dynamo refit posts JSON to `{system_url}/engine/{route}`: per worker, start the update,
 update with the stored plan (the call blocks while the trainer broadcasts), finish; no schema, no
-deadline around the collective, no two-phase start. This module serves those routes in front of
-the same reference engine and receiver the shim uses, so the benchmark compares control planes,
-not engines. It is a measuring stick, not a supported transport.
+deadline around the collective, no two-phase start. Its trainer broadcasts with vLLM's packed
+producer (`SeedSender` here). This module serves those routes in front of the same reference
+engine and receiver the shim uses, so the benchmark compares what a trainer does today with
+refit_grpc on the same engine. It is a measuring stick, not a supported transport.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from refit_grpc.collective import Group
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.shim.engines.reference import ReferenceEngine
@@ -85,6 +87,36 @@ def post(url: str, body: dict) -> dict:
     if answer.get("status") != "ok":
         raise RuntimeError(answer)
     return answer
+
+
+class SeedSender:
+    """The seed's trainer side: vLLM 0.32's `packed_nccl_broadcast_producer` with its
+    `pack_tensors` (vllm/distributed/weight_transfer/packed_tensor.py), transcribed for a gloo
+    group. Same buckets as refit_grpc (a bucket closes after the tensor that crosses the size);
+    every bucket is a fresh `torch.cat` of its tensors' bytes, broadcast asynchronously and kept
+    alive until the broadcast on its slot is done (vLLM's `num_buffers` streams)."""
+
+    def __init__(self, group: Group, plan: RefitPlan):
+        self.group = group
+        self.plan = plan
+
+    def send(self, tensors: dict, deadline: Deadline) -> None:
+        import torch
+
+        slots: list[tuple | None] = [None] * self.plan.packing.num_buffers
+        k = 0
+        for bucket in self.plan.buckets:
+            if slots[k] is not None:
+                slots[k][0].wait(deadline, f"broadcast before bucket {bucket.index}")
+            slots[k] = None
+            specs = self.plan.tensors[bucket.start:bucket.stop]
+            packed = torch.cat([tensors[s.name].contiguous().view(-1).view(torch.uint8)
+                                for s in specs], dim=0)
+            slots[k] = (self.group.broadcast_async(packed, deadline), packed)
+            k = (k + 1) % len(slots)
+        for slot in slots:
+            if slot is not None:
+                slot[0].wait(deadline, "final broadcast")
 
 
 class HttpFleet:
