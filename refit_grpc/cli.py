@@ -138,7 +138,8 @@ def _bench(args: argparse.Namespace) -> int:
     arms = [a for a in ARMS if a in args.arms.split(",")] if args.arms else list(ARMS)
     for world in args.world:
         run_bench(workers=world - 1, workload=workload, buffer_size_bytes=args.buffer_size_bytes,
-                  num_buffers=args.num_buffers, reps=args.reps, arms=arms)
+                  num_buffers=args.num_buffers, reps=args.reps, arms=arms,
+                  flat_trainer=args.flat_trainer)
     return 0
 
 
@@ -220,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
     bench.add_argument("--num-buffers", type=int, default=2)
     bench.add_argument("--reps", type=int, default=3)
+    bench.add_argument("--flat-trainer", action="store_true",
+                       help="the trainer holds its weights as views into one buffer in plan "
+                            "order (Megatron-style), which refit_grpc sends without packing")
     bench.add_argument("--arms", default="", help="comma-separated subset of "
                                                   "floor,per-tensor,raw,refit_grpc,http")
     bench.set_defaults(func=_bench)

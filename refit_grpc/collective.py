@@ -303,9 +303,9 @@ class Sender:
     Packing bucket i+1 overlaps the broadcast of bucket i (gloo and NCCL run the broadcast on their
     own threads/streams); at most `num_buffers` packed buckets are alive at once. The bucket
     buffers are allocated once per Sender (one group) and reused by every epoch: fresh buffers
-    would cost a page fault per 4 KiB on every refit. A bucket that is one contiguous tensor
-    already on the group's device is broadcast from the tensor itself, without a pack copy, and
-    needs no buffer.
+    would cost a page fault per 4 KiB on every refit. A bucket whose bytes already lie back to
+    back in the trainer's memory (one contiguous tensor, or views into one flat buffer in plan
+    order) is broadcast from there, without a pack copy, and needs no buffer.
     """
 
     def __init__(self, group: Group, plan: RefitPlan):
@@ -336,22 +336,24 @@ class Sender:
              on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
         self.check_tensors(tensors)
         plan, device = self.plan, self.group.device
-        if self._slots is None:
-            # Sized for the buckets that are packed: a lone tensor, however large, goes in place.
-            packed = [b for b in plan.buckets if b.stop - b.start > 1]
-            self._slots = _buffers(max((b.nbytes for b in packed), default=1),
-                                   min(plan.packing.num_buffers, len(plan.buckets)), device)
+        slots = min(plan.packing.num_buffers, len(plan.buckets))
         # Per slot: the broadcast that last used it. In-place sends are tracked apart: their
-        # source is the trainer's tensor, which must not change until they complete.
-        in_flight: list[_PendingOp | None] = [None] * len(self._slots)
+        # source is the trainer's memory, which must not change until they complete.
+        in_flight: list[_PendingOp | None] = [None] * slots
         in_place: list[_PendingOp] = []
         t0 = time.monotonic()
         for bucket in plan.buckets:
             specs = plan.tensors[bucket.start:bucket.stop]
-            lone = tensors[specs[0].name] if len(specs) == 1 else None
-            if lone is not None and lone.is_contiguous() and lone.device == device:
-                in_place.append(self.group.broadcast_async(_byte_view(lone.detach()), deadline))
+            span = _span([tensors[s.name] for s in specs], bucket.nbytes, device)
+            if span is not None:
+                in_place.append(self.group.broadcast_async(span, deadline))
             else:
+                if self._slots is None:
+                    # Allocated at the first bucket that needs packing (a trainer whose weights
+                    # all go in place never has any), sized for the buckets that can need it.
+                    packed = [b for b in plan.buckets if b.stop - b.start > 1]
+                    self._slots = _buffers(max((b.nbytes for b in packed), default=1), slots,
+                                           device)
                 k = bucket.index % len(self._slots)
                 if self._slots[k].numel() < bucket.nbytes:
                     # A lone tensor that cannot go in place (non-contiguous, another device):
@@ -371,6 +373,25 @@ class Sender:
             if op is not None:
                 op.wait(deadline, "final broadcast")
         return TransferStats(len(plan.buckets), plan.total_bytes, time.monotonic() - t0)
+
+
+def _span(tensors: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor | None:
+    """The bucket's bytes as one uint8 view of the trainer's own memory, when its tensors are
+    contiguous, on the group's device and back to back in one storage, in plan order: a lone
+    contiguous tensor always; a run of views into one flat buffer (Megatron-style contiguous
+    parameter buffers) too. Such a bucket is broadcast without a pack copy."""
+    first = tensors[0]
+    if first.device != device:
+        return None
+    storage = first.untyped_storage()
+    base, end = storage.data_ptr(), first.data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end or not t.is_contiguous() or t.device != device \
+                or t.untyped_storage().data_ptr() != base:
+            return None
+        end += t.nbytes
+    view = torch.empty(0, dtype=torch.uint8, device=device)
+    return view.set_(storage, first.data_ptr() - base, (nbytes,))
 
 
 def receive(group: Group, plan: RefitPlan, deadline: Deadline,

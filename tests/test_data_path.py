@@ -1,6 +1,7 @@
-"""The fast data paths are byte-exact: bucket buffers reused across epochs, lone tensors sent in
-place, buckets received straight into the engine's storage, and a refit right after an aborted
-one (no stale bytes reused). Real gloo groups, real shims (in this process and as processes)."""
+"""The fast data paths are byte-exact: bucket buffers reused across epochs, lone tensors and runs
+of views into one flat buffer sent in place, buckets received straight into the engine's storage,
+and a refit right after an aborted one (no stale bytes reused). Real gloo groups, real shims (in
+this process and as processes)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,43 @@ def test_in_place_send_and_receive_are_byte_exact_over_versions():
                 weights_digest((s.name, tensors[s.name]) for s in plan.tensors)
         # The lone oversized tensor went in place: the sender's buffers are smaller than it.
         assert sender.buffer_bytes < 2 * (3 * BUCKET // 4 + 6) * 4
+    finally:
+        trainer.close()
+        engine.close()
+
+
+def _flat_views(source: dict[str, torch.Tensor], plan: RefitPlan) -> dict[str, torch.Tensor]:
+    """The same values held the Megatron way: views into one flat buffer, in plan order."""
+    flat = torch.empty(plan.total_bytes, dtype=torch.uint8)
+    views, offset = {}, 0
+    for s in plan.tensors:
+        view = flat[offset:offset + s.nbytes].view(s.dtype).view(s.shape)
+        view.copy_(source[s.name])
+        views[s.name] = view
+        offset += s.nbytes
+    return views
+
+
+def test_views_of_one_flat_buffer_are_sent_in_place_and_stay_exact():
+    engine = ReferenceEngine(model=None)
+    plan = RefitPlan.from_state_dict_info(info(aligned_tensors(1)), Packing(BUCKET, 2))
+    trainer = _joined_pair(plan, engine)
+    sender = Sender(trainer, plan)
+    engine.pause(PauseMode.KEEP, Deadline(5))
+    try:
+        for version in (1, 2):
+            tensors = _flat_views(aligned_tensors(version), plan)
+            _transfer(engine, tensors, plan, trainer, sender)
+            assert weights_digest((s.name, engine.tensor(s.name)) for s in plan.tensors) == \
+                weights_digest((s.name, tensors[s.name]) for s in plan.tensors)
+        assert sender.buffer_bytes == 0  # no bucket was packed: no buffer was ever allocated
+        # One tensor held apart breaks its bucket's run: that bucket alone is packed.
+        tensors = _flat_views(aligned_tensors(3), plan)
+        tensors["tiny.1000"] = tensors["tiny.1000"].clone()
+        _transfer(engine, tensors, plan, trainer, sender)
+        assert weights_digest((s.name, engine.tensor(s.name)) for s in plan.tensors) == \
+            weights_digest((s.name, tensors[s.name]) for s in plan.tensors)
+        assert sender.buffer_bytes > 0
     finally:
         trainer.close()
         engine.close()

@@ -92,9 +92,21 @@ def workload_specs(workload: dict) -> list[TensorSpec]:
     return equal_specs(workload["total_mb"], workload["tensors"])
 
 
-def materialize(specs: Sequence[TensorSpec], seed: int = 0) -> dict[str, torch.Tensor]:
+def materialize(specs: Sequence[TensorSpec], seed: int = 0,
+                flat: bool = False) -> dict[str, torch.Tensor]:
+    """Random weights: one allocation per tensor, or (`flat`) views into one buffer in plan
+    order, the way trainers with contiguous parameter buffers hold them."""
     g = torch.Generator().manual_seed(seed)
-    return {s.name: torch.randn(s.shape, generator=g, dtype=s.dtype) for s in specs}
+    if not flat:
+        return {s.name: torch.randn(s.shape, generator=g, dtype=s.dtype) for s in specs}
+    buffer = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8)
+    out, offset = {}, 0
+    for s in specs:
+        view = buffer[offset:offset + s.nbytes].view(s.dtype).view(s.shape)
+        view.copy_(torch.randn(s.shape, generator=g, dtype=s.dtype))
+        out[s.name] = view
+        offset += s.nbytes
+    return out
 
 
 # --- the bare receivers (floor, per-tensor, raw) ----------------------------------------------
@@ -181,7 +193,7 @@ class PeakRss:
 
 def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes: int = 64 << 20,
               num_buffers: int = 2, reps: int = 3, arms: Sequence[str] = ARMS,
-              out=sys.stdout) -> dict[str, list[float]]:
+              flat_trainer: bool = False, out=sys.stdout) -> dict[str, list[float]]:
     """Every arm side by side, interleaved rep by rep; prints the table and returns the times."""
     from refit_grpc.tools.bench_http import HttpFleet, SeedSender
 
@@ -190,13 +202,14 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
     packing = Packing(buffer_size_bytes, num_buffers)
     plan = RefitPlan(tuple(specs), packing)
     plan.validate()
-    weights = materialize(specs)
+    weights = materialize(specs, flat=flat_trainer)
     world = workers + 1
     say = _printer(out)
     say(f"plan: {len(plan.tensors)} tensors ({min(s.nbytes for s in specs)} B to "
         f"{max(s.nbytes for s in specs) / 1e6:.1f} MB), {plan.total_bytes / 1e6:.1f} MB, "
         f"{len(plan.buckets)} buckets of {buffer_size_bytes >> 20} MiB x {num_buffers} buffers; "
-        f"{workers} receivers; {reps} interleaved reps after one warm-up; arms: {', '.join(arms)}")
+        f"{workers} receivers; {reps} interleaved reps after one warm-up; arms: {', '.join(arms)}"
+        + ("; the trainer's weights are views into one buffer" if flat_trainer else ""))
     procs: list[subprocess.Popen] = []
     shims, fleet, http = [], None, None
     times: dict[str, list[float]] = {a: [] for a in arms}
