@@ -139,6 +139,10 @@ def bare_receiver(ports: dict[str, int], world: int, rank: int, workload: dict, 
             else:
                 receive(group, plan, deadline, lambda b, it: None)
             group.broadcast_async(ack, deadline).wait(deadline, "ack")
+    # Stay until the trainer is done with every arm: a process that tears down its groups and
+    # frees its gigabytes while another arm is timed takes CPU from that arm (it made the last
+    # refit_grpc rep of every run 1.5-2 s slower, before).
+    sys.stdin.read()
     for group in groups.values():
         group.close()
 
@@ -227,7 +231,8 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
             bare_procs = [subprocess.Popen([sys.executable, "-c", (
                 "from refit_grpc.tools.bench import bare_receiver; "
                 f"bare_receiver({ports!r}, {world}, {r}, {workload!r}, {buffer_size_bytes}, "
-                f"{num_buffers}, {reps + 1}, {tuple(bare)!r})")]) for r in range(1, world)]
+                f"{num_buffers}, {reps + 1}, {tuple(bare)!r})")], stdin=subprocess.PIPE)
+                for r in range(1, world)]
             procs += bare_procs
             groups = {a: Group.join(GroupSpec("127.0.0.1", ports[a], world, 0, "gloo", a),
                                     _TIMEOUT_S) for a in ("floor", "per-tensor", "raw")}
