@@ -172,6 +172,29 @@ def join_reapers(timeout_s: float = 30.0) -> None:
         r.join(max(end - time.monotonic(), 0))
 
 
+def set_store_key(host: str, port: int, key: str, timeout_s: float) -> bool:
+    """Set `key` in the TCPStore at host:port (a trainer's rendezvous store), within about
+    `timeout_s`; False, without raising, when the store is gone or does not answer. Engines poll
+    such a key to give up a receive that nothing else can reach.
+
+    The listener is probed first: torch's TCPStore client retries a failed connect after a
+    random delay of seconds, which would hold an abort up exactly when the trainer is gone."""
+    try:
+        with socket.create_connection((host, port), timeout=min(timeout_s, 1.0)):
+            pass
+    except OSError as e:
+        log.info("store key %s not set: nothing listens at %s:%d (%s)", key, host, port, e)
+        return False
+    try:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=max(timeout_s, 0.001)))
+        store.set(key, b"1")
+    except (RuntimeError, dist.DistError) as e:
+        log.info("store key %s not set: %s", key, e)
+        return False
+    return True
+
+
 def _wait_for_listener(host: str, port: int, end: float, timeout_s: float) -> None:
     """Until something accepts TCP connections at host:port (the trainer's TCPStore), or raise
     RENDEZVOUS_TIMEOUT at `end` (time.monotonic())."""

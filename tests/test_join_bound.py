@@ -1,7 +1,8 @@
 """`Group.join` ends at its timeout when no master ever listens. torch's TCPStore client alone
 does not: it tries a timed-out connect once more after a random delay, so a 3 s timeout took
 7.3 s and a 9 s one 16.9 s (measured, torch 2.13), which let Dynamo's own 10 s limit on group
-init fire first and shut a worker down (docs/dynamo.md)."""
+init fire first and shut a worker down (docs/dynamo.md). The same retry would hold up an abort key
+set for a trainer that is gone."""
 
 from __future__ import annotations
 
@@ -25,3 +26,23 @@ def test_a_join_with_no_master_ends_at_its_timeout(timeout_s):
     took = time.monotonic() - t0
     assert info.value.reason == "RENDEZVOUS_TIMEOUT"
     assert timeout_s - 0.05 <= took < timeout_s + 0.5, took
+
+
+def test_an_abort_key_for_a_gone_trainer_gives_up_at_once_and_reaches_a_live_one():
+    """The shims' way to reach a vLLM/Dynamo worker blocked in a receive is a key in the
+    trainer's TCPStore. With the trainer gone, torch's client alone would retry its connect for
+    seconds and hold the abort up; `set_store_key` probes first."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from refit_grpc.collective import set_store_key
+
+    port = free_port()
+    t0 = time.monotonic()
+    assert set_store_key("127.0.0.1", port, "refit_grpc/g/abort/1", 2.0) is False
+    assert time.monotonic() - t0 < 0.5
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    assert set_store_key("127.0.0.1", port, "refit_grpc/g/abort/1", 2.0) is True
+    assert master.get("refit_grpc/g/abort/1") == b"1"

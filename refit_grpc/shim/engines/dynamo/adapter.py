@@ -338,29 +338,13 @@ class DynamoEngine(Engine):
         """Set the update's abort key in the trainer's TCPStore: the only way to reach a worker
         blocked inside the update (Dynamo serialises the weight routes, and vLLM runs worker
         RPCs one at a time). Best effort, bounded."""
-        import datetime
-        import socket
+        from refit_grpc.collective import set_store_key  # torch, only when it is needed
 
-        import torch.distributed as dist
-
-        try:
-            # Probed first: torch's TCPStore client retries a failed connect after a random
-            # delay (seconds), which would hold the abort up when the trainer is gone.
-            with socket.create_connection((group.master_address, group.master_port),
-                                          timeout=min(self.abort_grace_s, 1.0)):
-                pass
-        except OSError as e:
-            log.info("abort key not set (the trainer's store is gone: %s): the worker fails "
-                     "with the trainer", e)
-            return
-        try:
-            store = dist.TCPStore(group.master_address, group.master_port, is_master=False,
-                                  wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=min(self.abort_grace_s, 2)))
-            store.set(key, b"1")
+        if set_store_key(group.master_address, group.master_port, key,
+                         min(self.abort_grace_s, 2.0)):
             log.info("abort key set for the worker: %s", key)
-        except (RuntimeError, dist.DistError) as e:
-            log.info("abort key not set (%s): the worker fails with the trainer", e)
+        else:
+            log.info("abort key not set: the worker fails with the trainer")
 
     def _background_destroy(self) -> None:
         try:

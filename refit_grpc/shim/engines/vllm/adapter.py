@@ -369,18 +369,13 @@ class VLLMEngine(Engine):
     def _signal_abort(self, group: GroupSpec, key: str) -> None:
         """Set the receive's abort key in the trainer's TCPStore (the worker polls it): the only
         way to reach a vLLM worker blocked in /update_weights. Best effort, bounded."""
-        import datetime
+        from refit_grpc.collective import set_store_key  # torch, only when it is needed
 
-        import torch.distributed as dist
-
-        try:
-            store = dist.TCPStore(group.master_address, group.master_port, is_master=False,
-                                  wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=min(self.abort_grace_s, 2)))
-            store.set(key, b"1")
+        if set_store_key(group.master_address, group.master_port, key,
+                         min(self.abort_grace_s, 2.0)):
             log.info("abort key set for the worker: %s", key)
-        except (RuntimeError, dist.DistError) as e:  # the trainer's store is gone already
-            log.info("abort key not set (%s): the worker fails with the trainer", e)
+        else:
+            log.info("abort key not set: the worker fails with the trainer")
 
     def _check_live(self, deadline: Deadline, gen: int, what: str) -> None:
         deadline.check(what)
