@@ -67,6 +67,7 @@ from refit_grpc.plan import (
     dtype_from_name,
 )
 from refit_grpc.vllm_info import applied_marker
+from refit_grpc.vllm_plugin.moe import ExpertsReprocessing
 
 log = logging.getLogger("vllm.refit_grpc")
 
@@ -157,6 +158,7 @@ class LayerwiseReceiver:
         self.total = 0
         self._abort_store: dist.Store | None = None
         self._tied: list[TiedHead] = []
+        self._experts: ExpertsReprocessing | None = None
 
     @property
     def joined(self) -> bool:
@@ -190,6 +192,7 @@ class LayerwiseReceiver:
 
         # Found now: inside the session every layer holds its own meta tensor, the tie is gone.
         self._tied = tied_heads(self.model)
+        self._experts = ExpertsReprocessing(self.model)
         initialize_layerwise_reload(self.model)
 
     def update(self, update_info: GlooUpdateInfo) -> None:
@@ -267,12 +270,20 @@ class LayerwiseReceiver:
 
         for tie in self._tied:
             tie.expect_nothing_of_its_own()
-        finalize_layerwise_reload(self.model, self.model_config)
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            self._end_experts_reprocessing()
         self._refresh_tied_heads()
 
     def _refresh_tied_heads(self) -> None:
         for tie in self._tied:
             tie.refresh()
+
+    def _end_experts_reprocessing(self) -> None:
+        experts, self._experts = self._experts, None
+        if experts is not None:
+            experts.restore()
 
     def rollback(self) -> int:
         """End the layerwise session after a failure; returns how many partly loaded layers got
@@ -298,6 +309,8 @@ class LayerwiseReceiver:
             self._refresh_tied_heads()
         except Exception:  # noqa: BLE001  (the original error is what the caller must see)
             log.exception("refit_grpc gloo: rollback of the layerwise reload failed")
+        finally:
+            self._end_experts_reprocessing()
         log.warning("refit_grpc gloo: update failed after %d buckets; layerwise reload rolled "
                     "back (%d partly loaded layers restored)", self.applied, partial)
         return partial
