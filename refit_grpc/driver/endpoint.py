@@ -72,18 +72,19 @@ class ChannelSecurity:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
     def open(self, address: str) -> grpc.Channel:
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   # Fail fast on a dead shim instead of waiting out the whole deadline.
-                   ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000),
-                   # Keepalive pings find a dead or partitioned peer in about 2 s, and after a
-                   # link comes back they replace the stalled TCP connection (whose own
-                   # retransmit backoff grows to minutes) instead of waiting on it.
-                   ("grpc.keepalive_time_ms", 1000),
-                   ("grpc.keepalive_timeout_ms", 1000),
-                   ("grpc.keepalive_permit_without_calls", 1),
-                   ("grpc.http2.max_pings_without_data", 0)]
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Fail fast on a dead shim instead of waiting out the whole deadline.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            # Keepalive pings find a dead or partitioned peer in about 2 s, and after a
+            # link comes back they replace the stalled TCP connection (whose own
+            # retransmit backoff grows to minutes) instead of waiting on it.
+            ("grpc.keepalive_time_ms", 1000),
+            ("grpc.keepalive_timeout_ms", 1000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
         if not self.tls:
             return grpc.insecure_channel(address, options=options)
         if self.server_name:

@@ -33,23 +33,24 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             raise ValueError("token auth needs non-empty tokens")
         self._tokens = [t.encode() for t in tokens]
 
-    def _allowed(self, metadata) -> tuple[bool, Reason | None]:
+    def _refusal(self, metadata) -> Reason | None:
+        """None when the metadata carries one of the tokens, else why the call is refused."""
         header = next((v for k, v in metadata or () if k == "authorization"), None)
         if header is None:
-            return False, Reason.MISSING_TOKEN
+            return Reason.MISSING_TOKEN
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
-            return False, Reason.MALFORMED_TOKEN
+            return Reason.MALFORMED_TOKEN
         ok = False
         for t in self._tokens:  # compare against all, so timing reveals nothing
             ok |= hmac.compare_digest(t, token.encode())
-        return ok, None if ok else Reason.INVALID_TOKEN
+        return None if ok else Reason.INVALID_TOKEN
 
     def intercept_service(self, continuation: Callable, handler_call_details):
         if handler_call_details.method.startswith(UNAUTHENTICATED_PREFIXES):
             return continuation(handler_call_details)
-        ok, reason = self._allowed(handler_call_details.invocation_metadata)
-        if ok:
+        reason = self._refusal(handler_call_details.invocation_metadata)
+        if reason is None:
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -139,7 +140,7 @@ class ShimMetrics:
             self.errors.labels(str(reason))
         r.register(_StateCollector(servicer, engine_kind))
         self.interceptor = MetricsInterceptor(self)
-        self._httpd = None
+        self._httpd: WSGIServer | None = None
         self.address: str | None = None
 
     def serve(self, address: str) -> str:

@@ -75,7 +75,7 @@ class ShimServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.options.max_workers,
                                        thread_name_prefix="shim-rpc"),
-            interceptors=interceptors,
+            interceptors=list(interceptors),
             maximum_concurrent_rpcs=self.options.max_concurrent_rpcs,
             options=[("grpc.max_receive_message_length", self.options.max_message_bytes),
                      ("grpc.max_send_message_length", self.options.max_message_bytes),
@@ -103,8 +103,9 @@ class ShimServer:
         self.address = f"{host}:{self.port}"
 
     def start(self) -> ShimServer:
-        if self.metrics is not None:
-            self.metrics.serve(self.options.metrics_address)
+        address = self.options.metrics_address
+        if self.metrics is not None and address is not None:  # metrics only with an address
+            self.metrics.serve(address)
         self._server.start()
         self._set_health(self.engine.status().healthy)
         threading.Thread(target=self._watch_health, daemon=True, name="health").start()

@@ -46,7 +46,7 @@ from refit_grpc.shim.status import status_on_error
 
 log = logging.getLogger(__name__)
 
-State = int  # a pb.ShimState value
+State = pb.ShimState  # one of its values (plain ints at runtime)
 
 
 @dataclass(frozen=True)
@@ -216,8 +216,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     raise FailedPreconditionError(
                         f"InitCollective refused while {self._busy.value} runs",
                         reason=Reason.BUSY)
-                self._check_digest(request.plan_digest)
-                plan = self._plan
+                plan = self._check_digest(request.plan_digest)
                 self._drop_group_locked()
                 self._busy = Busy.JOIN
                 self._join_deadline = deadline
@@ -267,12 +266,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     raise FailedPreconditionError(
                         f"version {request.version} is not newer than applied {self._version}",
                         reason=Reason.STALE_VERSION)
-                self._check_digest(request.plan_digest)
+                plan = self._check_digest(request.plan_digest)
                 if request.group_id != self._group.group_id:
                     raise FailedPreconditionError(
                         f"group_id {request.group_id!r} != joined {self._group.group_id!r}",
                         reason=Reason.GROUP_MISMATCH)
-                plan = self._plan
                 epoch = _Epoch(request.version, deadline, request.verify_weights)
                 self._epoch = epoch
                 self._busy = Busy.EPOCH
@@ -438,13 +436,15 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         seconds = cap_s if remaining is None else min(remaining, cap_s)
         return Deadline(seconds)
 
-    def _check_digest(self, digest: str) -> None:
+    def _check_digest(self, digest: str) -> RefitPlan:
+        """The prepared plan, if `digest` names it."""
         if not self._plan:
             raise FailedPreconditionError("no plan prepared", reason=Reason.WRONG_STATE)
         if digest != self._plan.digest:
             raise FailedPreconditionError(
                 f"plan_digest {digest[:16]!r} != prepared {self._plan.digest[:16]!r}",
                 reason=Reason.PLAN_DIGEST_MISMATCH)
+        return self._plan
 
     def _check_master(self, address: str) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Literal
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -40,7 +41,7 @@ class status_on_error:  # noqa: N801  (used as a context manager, named like one
     def __enter__(self) -> status_on_error:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:  # never suppresses
         if exc is None or not isinstance(exc, RefitError):
             return False
         if self.on_error is not None:

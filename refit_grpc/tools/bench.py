@@ -223,7 +223,7 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
     # keeps for every later epoch (bucket buffers), which the later epochs' growth cannot show.
     first: dict[str, tuple[int, int]] = {}
     try:
-        runners: dict[str, Callable[[int], None]] = {}
+        runners: dict[str, Callable[[int], object]] = {}  # an arm's result is not used
         receivers: dict[str, list[int]] = {}
         bare = [a for a in ("floor", "per-tensor", "raw") if a in arms]
         if bare:
@@ -278,8 +278,11 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              text=True) for _ in range(workers)]
             procs += http_servers
-            http = HttpFleet([f"http://127.0.0.1:{int(p.stdout.readline())}"
-                              for p in http_servers])
+            http_ports = []
+            for p in http_servers:
+                assert p.stdout is not None  # stdout=PIPE
+                http_ports.append(int(p.stdout.readline()))
+            http = HttpFleet([f"http://127.0.0.1:{port}" for port in http_ports])
             http_port = free_port()
             joins = http.init_collective(plan, http_port, world)
             http_group = Group.join(GroupSpec("127.0.0.1", http_port, world, 0, "gloo",
@@ -320,8 +323,8 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
             fleet.close()
         if http is not None:
             http.close()
-        for s in shims:
-            s.stop()
+        for shim in shims:
+            shim.stop()
         for p in procs:
             if p.stdin:
                 p.stdin.close()

@@ -58,7 +58,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.engine.pause(PauseMode.KEEP, Deadline(600))
 
     def _update_weights(self, b: dict) -> None:
-        self.engine.receive(type(self).plan, Deadline(600), lambda bucket: None)
+        plan = type(self).plan
+        if plan is None:
+            raise RuntimeError("update_weights before init_collective")
+        self.engine.receive(plan, Deadline(600), lambda bucket: None)
 
     def _finish_weight_update(self, b: dict) -> None:
         self.engine.finish(int(b.get("version", 0)), Deadline(600))
@@ -106,8 +109,9 @@ class SeedSender:
         slots: list[tuple | None] = [None] * self.plan.packing.num_buffers
         k = 0
         for bucket in self.plan.buckets:
-            if slots[k] is not None:
-                slots[k][0].wait(deadline, f"broadcast before bucket {bucket.index}")
+            slot = slots[k]
+            if slot is not None:
+                slot[0].wait(deadline, f"broadcast before bucket {bucket.index}")
             slots[k] = None
             specs = self.plan.tensors[bucket.start:bucket.stop]
             packed = torch.cat([tensors[s.name].contiguous().view(-1).view(torch.uint8)
