@@ -6,7 +6,13 @@ once the trainer joins; update_weights' refs resolve only when every worker COMM
 shims then hold the trainer's bytes (weights digest) at the new version; a refusal raises the typed
 error from update_weights itself; a client_copy shipped to another actor flushes; a worker killed
 mid-broadcast fails every unfinished ref with a RayTaskError whose cause is the EpochFailedError
-naming it. Every ray.get has a timeout.
+naming it. Both orders of the group's formation work: the channel's init_collective first, then
+the trainer's join (above), and NeMo RL's, a policy actor joining first under the derived group
+name, the channel (in the driver) after it or alongside; a name is not formed again while a join
+of its last formation runs. Every ray.get has a timeout.
+
+Ports: the trainer's store binds a port its actor holds from the moment it picks it
+(`reserve_port`), never one picked, released, then bound later (EADDRINUSE once in CI).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,8 +38,9 @@ from refit_grpc import (
     Packing,
     WorkerEndpoint,
 )
-from refit_grpc.integrations.ray import DynamoRefitChannel, RefitChannel
-from refit_grpc.plan import weights_digest
+from refit_grpc.errors import FailedPreconditionError
+from refit_grpc.integrations.ray import DynamoRefitChannel, RefitChannel, group_name
+from refit_grpc.plan import RefitPlan, weights_digest
 from refit_grpc.proto import pb
 
 BUFFER = 64 * 1024
@@ -56,6 +64,31 @@ def info(tensors: dict[str, torch.Tensor]) -> dict:
 
 def digest_v(version: int) -> str:
     return weights_digest(tensors_v(version).items())
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A port held for the trainer's store from the moment it is picked: bound with SO_REUSEADDR
+    and never listening, so on Linux no other bind can take it (a port-0 pick skips it, a plain
+    bind of it fails), while the store, which binds with SO_REUSEADDR too, can. Close it once the
+    store is up. A port picked, released and bound later can be taken in between."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    return s
+
+
+def wait_for_listener(host: str, port: int, timeout_s: float) -> None:
+    """Until something accepts connections at host:port (a trainer's store; what a joining rank
+    waits for too), or fail the test at `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > end:
+                pytest.fail(f"nothing listens at {host}:{port} after {timeout_s}s")
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -84,21 +117,28 @@ class Trainer:
         self.refs: list[ray.ObjectRef] = []
 
     def connect(self) -> dict:
+        """The channel's init_collective first, then this rank's join under `group_id`."""
         from refit_grpc.collective import Group
         from refit_grpc.common import GroupSpec
-        from refit_grpc.testing.ports import free_port
 
         ch = self.channel
         ch.prepare(info(tensors_v(1)))
-        port, world = free_port(), 1 + ch.inference_world_size
-        t0 = time.monotonic()
-        refs = ch.init_collective("127.0.0.1", port, world, train_world_size=1)
-        handed_back_s = time.monotonic() - t0
-        # Not waited on: no worker can have JOINED, rank 0 (this process) has not come yet.
-        ready_before_join, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
-        self.group = Group.join(GroupSpec("127.0.0.1", port, world, 0, "gloo", ch.group_id), 30)
+        held = reserve_port()
+        port, world = held.getsockname()[1], 1 + ch.inference_world_size
+        try:
+            t0 = time.monotonic()
+            refs = ch.init_collective("127.0.0.1", port, world, train_world_size=1)
+            handed_back_s = time.monotonic() - t0
+            # Not waited on: no worker can have JOINED, rank 0 (this process) has not come yet.
+            ready_before_join, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+            self.group = Group.join(GroupSpec("127.0.0.1", port, world, 0, "gloo", ch.group_id),
+                                    30)
+        finally:
+            held.close()
         return {"kinds": [type(r).__name__ for r in refs], "handed_back_s": handed_back_s,
-                "ready_before_join": len(ready_before_join), "joined": ray.get(refs, timeout=GET_S)}
+                "ready_before_join": len(ready_before_join), "joined": ray.get(refs, timeout=GET_S),
+                "derived": ch.group_id == ch.group_name("127.0.0.1", port, world,
+                                                        train_world_size=1)}
 
     def refit(self, version: int) -> dict:
         """NeMo RL's order as refit_grpc keeps its guarantee: update_weights() (returns once every
@@ -150,6 +190,54 @@ class Trainer:
 
 
 @ray.remote(num_cpus=1)
+class Policy:
+    """NeMo RL's policy worker as trainer rank 0, in its own actor; the channel stays with the
+    driver, as NeMo RL's generation side does. It holds what NeMo RL gives a policy worker before
+    `init_collective`: its own state dict and the generation side's sender spec (packing)."""
+
+    def __init__(self, buffer: int):
+        self.plan = RefitPlan.from_state_dict_info(info(tensors_v(1)), Packing(buffer, 2))
+        self.group = None
+        self.held: socket.socket | None = None
+
+    def master_address_and_port(self) -> tuple[str, int]:
+        """NeMo RL's `get_master_address_and_port()`, the port held until this actor's store
+        binds it (`init_collective`)."""
+        self.held = reserve_port()
+        return "127.0.0.1", self.held.getsockname()[1]
+
+    def init_collective(self, ip: str, port: int, world_size: int, *,
+                        train_world_size: int) -> str:
+        """Join as rank 0 under the derived name; blocks until every rank has joined."""
+        from refit_grpc.collective import Group
+        from refit_grpc.common import GroupSpec
+
+        if self.group is not None:
+            self.group.close()  # a new formation replaces the old group
+        name = group_name(ip, port, world_size, train_world_size=train_world_size,
+                          plan_digest=self.plan.digest)
+        try:
+            self.group = Group.join(GroupSpec(ip, port, world_size, 0, "gloo", name), 30)
+        finally:
+            if self.held is not None:
+                self.held.close()
+                self.held = None
+        return name
+
+    def broadcast(self, version: int) -> dict:
+        """NeMo RL's `broadcast_weights_for_collective()`: the project's Sender on the group."""
+        from refit_grpc.collective import Sender
+        from refit_grpc.common import Deadline
+
+        stats = Sender(self.group, self.plan).send(tensors_v(version), Deadline(30))
+        return {"bytes": stats.bytes, "buckets": stats.buckets, "digest": digest_v(version)}
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+
+
+@ray.remote(num_cpus=1)
 class Rollout:
     """A rollout actor that only ever gets the channel's client_copy()."""
 
@@ -198,6 +286,7 @@ def test_trainer_actor_refits_through_object_refs(ray_cluster, shim_procs):
     assert joined["kinds"] == ["ObjectRef", "ObjectRef"]
     assert joined["ready_before_join"] == 0
     assert joined["joined"] == [True, True]
+    assert joined["derived"]
 
     for version in (1, 2):
         out = ray.get(trainer.refit.remote(version), timeout=GET_S)
@@ -270,6 +359,107 @@ def test_worker_killed_mid_epoch_fails_the_refs_with_the_typed_error(ray_cluster
             (d.state == pb.SHIM_STATE_PREPARED and d.weights_digest == digest_v(1)), d
     ray.get(trainer.close.remote(), timeout=GET_S)
     ray.kill(trainer)
+
+
+@pytest.mark.slow
+def test_nemo_rl_order_the_policy_joins_before_the_channel(ray_cluster, shim_procs):
+    """NeMo RL's setup, in its order (nemo_rl/weight_sync/collective_weight_synchronizer.py,
+    `init_communicator`): prepare_refit_info, then `policy.init_collective(ip, port, ...)`, then
+    the generation side's `init_collective(ip, port, ...)`, then one ray.get over both. The
+    policy's rank 0 is in its rendezvous, its store listening, before the channel has named any
+    group: both meet under the name each derived on its own."""
+    t_start = time.monotonic()
+    shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(2)]
+    policy = Policy.remote(BUFFER)
+    with DynamoRefitChannel(endpoints(shims), engine_world_size=1, control_timeout_s=10,
+                            join_timeout_s=30, epoch_timeout_s=30,
+                            packing=Packing(BUFFER, 2)) as channel:
+        channel.prepare(info(tensors_v(1)))
+        world = 1 + channel.inference_world_size
+
+        # The policy first; the channel only once the policy's store listens at ip:port.
+        ip, port = ray.get(policy.master_address_and_port.remote(), timeout=GET_S)
+        t0 = time.monotonic()
+        futures_train = [policy.init_collective.remote(ip, port, world, train_world_size=1)]
+        wait_for_listener(ip, port, GET_S)
+        assert channel.group_id is None
+        futures_inference = channel.init_collective(ip, port, world, train_world_size=1)
+        results = ray.get(futures_train + futures_inference, timeout=GET_S)
+        print(f"\nRAY: NeMo RL's order: policy rank 0 and 2 shims joined "
+              f"{time.monotonic() - t0:.1f}s after the policy's join was sent")
+        name = channel.group_id
+        assert results == [name, True, True]
+        assert name == channel.group_name(ip, port, world, train_world_size=1)
+        assert all(d.group_id == name and d.state == pb.SHIM_STATE_READY
+                   for d in described(shims))
+
+        def epoch(version: int) -> None:
+            refs = channel.update_weights()  # every worker ACCEPTED: broadcast now
+            sent = ray.get(policy.broadcast.remote(version), timeout=GET_S)
+            assert ray.get(refs, timeout=GET_S) == [True, True]
+            assert sent["buckets"] > 2
+            for d in described(shims):
+                assert d.weight_version == version and d.weights_digest == digest_v(version)
+
+        epoch(1)
+
+        # A new formation, as NeMo RL forms one: a fresh port, the policy's join and the
+        # channel's sent together. A new name: the old group's members are no members of it.
+        ip, port2 = ray.get(policy.master_address_and_port.remote(), timeout=GET_S)
+        assert port2 != port
+        futures_train = [policy.init_collective.remote(ip, port2, world, train_world_size=1)]
+        futures_inference = channel.init_collective(ip, port2, world, train_world_size=1)
+        results = ray.get(futures_train + futures_inference, timeout=GET_S)
+        assert results == [channel.group_id, True, True] and channel.group_id != name
+        assert all(d.group_id == channel.group_id for d in described(shims))
+        epoch(2)
+        ray.get(policy.close.remote(), timeout=GET_S)
+    ray.kill(policy)
+    print(f"RAY: test body {time.monotonic() - t_start:.1f}s")
+
+
+@pytest.mark.slow
+def test_a_group_name_is_not_formed_again_while_a_join_of_it_runs(ray_cluster, shim_procs):
+    """A derived name comes back whenever ip, port, world and plan do: the channel refuses to form
+    it again, before any call to a shim, while a join of its last formation still runs (a member
+    of that formation could otherwise join the new one)."""
+    from refit_grpc.collective import Group
+    from refit_grpc.common import GroupSpec
+
+    shims = [shim_procs("--model", "none", "--instance-id", "w0")]
+    with DynamoRefitChannel(endpoints(shims), engine_world_size=1, control_timeout_s=10,
+                            join_timeout_s=30, packing=Packing(BUFFER, 2)) as channel:
+        channel.prepare(info(tensors_v(1)))
+        held = reserve_port()
+        port = held.getsockname()[1]
+        name = channel.group_name("127.0.0.1", port, 2, train_world_size=1)
+        try:
+            refs = channel.init_collective("127.0.0.1", port, 2, train_world_size=1)  # joining
+            with pytest.raises(FailedPreconditionError) as e:
+                channel.init_collective("127.0.0.1", port, 2, train_world_size=1)
+            assert e.value.reason == "BUSY" and name in str(e.value)
+            assert channel.group_id == name
+            # The first formation is untouched: its trainer comes, and it forms.
+            group = Group.join(GroupSpec("127.0.0.1", port, 2, 0, "gloo", name), 30)
+        finally:
+            held.close()
+        assert ray.get(refs, timeout=GET_S) == [True]
+        (d,) = described(shims)
+        assert d.group_id == name and d.state == pb.SHIM_STATE_READY
+        group.close()
+
+
+def test_group_name_is_a_function_of_the_formation():
+    base = dict(train_world_size=1, plan_digest="ab" * 32)
+    name = group_name("10.0.0.7", 29500, 3, **base)
+    assert name == group_name("10.0.0.7", 29500, 3, **base) and name.startswith("refit-")
+    others = {group_name("10.0.0.8", 29500, 3, **base), group_name("10.0.0.7", 29501, 3, **base),
+              group_name("10.0.0.7", 29500, 4, **base),
+              group_name("10.0.0.7", 29500, 3, train_world_size=2, plan_digest="ab" * 32),
+              group_name("10.0.0.7", 29500, 3, train_world_size=1, plan_digest="cd" * 32)}
+    assert len(others) == 5 and name not in others
+    with pytest.raises(ValueError):
+        group_name("10.0.0.7", 29500, 3, train_world_size=1, plan_digest="")
 
 
 def test_the_seed_surface_without_a_cluster():

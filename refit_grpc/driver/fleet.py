@@ -205,9 +205,15 @@ class Fleet:
         return plan
 
     def init_collective(self, ip: str, port: int, world_size: int, *,
-                        train_world_size: int) -> list[Future]:
+                        train_world_size: int, group_id: str | None = None) -> list[Future]:
         """Ask every shim to join the group; returns one future per worker (JOINED), without
-        waiting: the rendezvous completes only once the trainer ranks join too."""
+        waiting: the rendezvous completes only once the trainer ranks join too.
+
+        `group_id` names the group (its store prefix, what every rank joins under); by default
+        a fresh random one per call. A caller that passes its own must keep it unique per
+        formation (docs/protocol.md, "Group names")."""
+        if group_id is not None and not group_id:
+            raise InvalidArgumentError("group_id is empty", reason=Reason.INVALID_GROUP_ID)
         if self._plan is None:
             raise RuntimeError("prepare() must be called before init_collective()")
         if world_size != train_world_size + self.inference_world_size:
@@ -216,7 +222,7 @@ class Fleet:
         self._check_membership()
         self._joined_instances = tuple(
             d.instance_id for d in self.describe(weights_digest=False))
-        group_id = f"refit-{uuid.uuid4().hex[:12]}"
+        group_id = group_id or f"refit-{uuid.uuid4().hex[:12]}"
         futures = []
         for i, w in enumerate(self._workers):
             request = pb.InitCollectiveRequest(

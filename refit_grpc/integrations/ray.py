@@ -11,6 +11,15 @@ validate_workers=None)` (plus optional refit_grpc settings), the `workers`, `eng
 `update_weights() -> list[ObjectRef]` and `flush_cache() -> bool`. Worker metadata must name
 each engine's shim (`address`, the gRPC target); the seed's `system_url` is not used.
 
+The data group's name is derived, not minted: `group_name(ip, port, world_size,
+train_world_size=..., plan_digest=...)`, from what the trainer ranks and the channel both hold
+before either joins. So the trainer ranks may join before `init_collective()` (NeMo RL's order:
+the policy workers' `init_collective` first, then the generation side's, then one `ray.get` over
+both), at the same time, or after it. The name is unique per formation because the port is:
+the trainer's store holds `ip:port` while its group forms, a trainer takes a fresh port for each
+formation (NeMo RL does), and the channel refuses to form a group under a name while a join of
+an earlier formation under it is still running (docs/ray.md, "The group's name").
+
 How the refs are made (docs/ray.md): the Fleet runs in the caller's process, where the trainer
 broadcasts. Each ref is the pending result of `wait(key)` on a small async actor (`_Outcomes`,
 no CPU, one per channel, created on first use); the caller's process settles the key when the
@@ -32,6 +41,7 @@ refusal then costs.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import pickle
@@ -46,11 +56,12 @@ import ray
 from refit_grpc.common import Deadline, PauseMode
 from refit_grpc.driver import ChannelSecurity, EpochHandle, Fleet, WorkerEndpoint
 from refit_grpc.driver.epoch import StreamPhase
-from refit_grpc.errors import RefitError, RefitTimeoutError
+from refit_grpc.errors import FailedPreconditionError, RefitError, RefitTimeoutError
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import pb
+from refit_grpc.reasons import Reason
 
-__all__ = ["DynamoRefitChannel", "RefitChannel", "WorkerEndpoint"]
+__all__ = ["DynamoRefitChannel", "RefitChannel", "WorkerEndpoint", "group_name"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +106,26 @@ class _Outcomes:
             return
         self._outcomes[key] = (ok, value)
         self._event(key).set()
+
+
+def group_name(ip: str, port: int, world_size: int, *, train_world_size: int,
+               plan_digest: str) -> str:
+    """The name of the data group formed at `ip:port` (the prefix every rank's rendezvous keys
+    live under in the trainer's store): a pure function of what a trainer rank and the channel
+    both hold before either joins. A trainer rank joins with it
+    (`collective.Group.join(GroupSpec(ip, port, world_size, rank, "gloo", name), timeout)`)
+    before, during or after `RefitChannel.init_collective(ip, port, world_size, ...)`, which
+    sends the shims the same name.
+
+    `plan_digest` is the plan's (`RefitPlan.from_state_dict_info(info, packing).digest`, or
+    `channel.plan.digest`): a trainer rank holding another plan lands under another name and
+    never meets the shims, so no byte is ever split by the wrong plan. Unique per formation as
+    long as the port is (docs/ray.md, "The group's name")."""
+    if not ip or not plan_digest:
+        raise ValueError("group_name needs the master's ip and the plan digest")
+    fields = ("refit_grpc/group/v1", ip, str(int(port)), str(int(world_size)),
+              str(int(train_world_size)), plan_digest)
+    return "refit-" + hashlib.sha256("\0".join(fields).encode()).hexdigest()[:24]
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -147,6 +178,10 @@ class RefitChannel:
         self._watchers: list[threading.Thread] = []
         self._epoch: EpochHandle | None = None
         self._version: int | None = None  # the last version an epoch was opened with
+        # The shims' joins of each group name formed, kept while any of them runs: a name is
+        # not formed again before its last formation's joins have all ended.
+        self._formations: dict[str, list[Future]] = {}
+        self._formations_lock = threading.Lock()
 
     # --- the seed's surface ----------------------------------------------------------------
 
@@ -180,12 +215,36 @@ class RefitChannel:
         self._actor()  # started now, so its start-up is not on the first refs' path
 
     def init_collective(self, ip: str, port: int, world_size: int, *,
-                        train_world_size: int) -> list[ray.ObjectRef]:
+                        train_world_size: int,
+                        group_id: str | None = None) -> list[ray.ObjectRef]:
         """Ask every shim to join the data group; one ref per worker, resolving to True once the
         worker JOINED (the typed error otherwise). Not waited on: the rendezvous completes only
-        when the trainer ranks join too (gloo: `collective.Group.join` with `group_id`)."""
-        futures = self._fleet.init_collective(ip, port, world_size,
-                                              train_world_size=train_world_size)
+        when the trainer ranks join too (gloo: `collective.Group.join` under
+        `group_name(ip, port, world_size, train_world_size=..., plan_digest=...)`, before,
+        during or after this call). `group_id` overrides the derived name (the trainer then
+        hands the same one to its ranks and keeps it unique per formation).
+
+        Raises `FailedPreconditionError` (reason BUSY), before any call to a shim, while a join
+        of an earlier formation under the same name still runs: one of its members could
+        otherwise join this one. Wait for that formation's refs, or form at another port."""
+        if self._fleet.plan is None:
+            raise RuntimeError("prepare() must be called before init_collective()")
+        name = group_id if group_id is not None else group_name(
+            ip, port, world_size, train_world_size=train_world_size,
+            plan_digest=self._fleet.plan.digest)
+        with self._formations_lock:
+            running = sum(not f.done() for f in self._formations.get(name, ()))
+            if running:
+                raise FailedPreconditionError(
+                    f"group {name} at {ip}:{port}: {running} join(s) of its previous formation "
+                    "still running, and a member of that formation could join this one; wait "
+                    "for its refs, or form at another port", reason=Reason.BUSY)
+            futures = self._fleet.init_collective(ip, port, world_size,
+                                                  train_world_size=train_world_size,
+                                                  group_id=name)
+            self._formations = {n: fs for n, fs in self._formations.items()
+                                if not all(f.done() for f in fs)}
+            self._formations[name] = futures
         timeout_s = self._fleet.join_timeout_s + _OUTCOME_MARGIN_S
         actor = self._actor()
         refs = []
@@ -243,8 +302,17 @@ class RefitChannel:
 
     @property
     def group_id(self) -> str | None:
-        """The data group `init_collective` formed: trainer ranks join it under this id."""
+        """The data group of the last `init_collective` (None before it, or after a failed
+        epoch): the name trainer ranks join under, the same as `group_name()` gave them."""
         return self._fleet.group_id
+
+    def group_name(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> str:
+        """The name `init_collective(ip, port, world_size, ...)` will form the group under, known
+        before it is called (module function `group_name` with this channel's plan digest)."""
+        if self._fleet.plan is None:
+            raise RuntimeError("prepare() must be called before group_name()")
+        return group_name(ip, port, world_size, train_world_size=train_world_size,
+                          plan_digest=self._fleet.plan.digest)
 
     def send_deadline(self) -> Deadline:
         """The open epoch's deadline for the trainer's sender, cancelled by the epoch's first
