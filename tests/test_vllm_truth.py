@@ -36,29 +36,18 @@ pytestmark = pytest.mark.timeout(600)
 
 from refit_grpc import EpochFailedError  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
-from refit_grpc.testing.vllm import PROMPT, complete, hf_greedy, http_json  # noqa: E402
 
 from vllm_support.truth import (  # noqa: E402
+    BF16_TOL,
+    FP32_TOL,
     Rig,
     build_tiny_qwen2,
     engine_logprobs,
     hf_logprobs,
     load_model,
-    sgd_step,
+    refit_versions,
     state_dict_to_send,
 )
-
-FP32_TOL = 2e-3  # measured: <= 7e-7 before and after every refit (tied and untied)
-# bfloat16 keeps 8 bits of mantissa: a log-probability near -6 is rounded by up to ~0.016 in one
-# step, and two bf16 forwards of the same bf16 weights differ by their rounding order only.
-# Measured here: vLLM bf16 vs transformers bf16 <= 0.004, transformers bf16 vs transformers fp32
-# of the same bf16 weights <= 0.0035. 0.02 is five times that, ten times below the error of the
-# stale output projection (about 0.2) and thirty times below one version's movement.
-BF16_TOL = 2e-2
-MIN_MOVE = 0.05  # each version moves some log-probability by at least this (SGD, lr 0.5)
-LR = 0.5
-VERSIONS = 3
-GREEDY = 8
 
 
 @pytest.fixture(scope="module")
@@ -86,47 +75,6 @@ def rigs(pool, tmp_path_factory):
 def tied_trainer(rigs):
     return {"model": load_model(rigs["tied"].model_dir), "version": 0,
             "gen": torch.Generator().manual_seed(0)}
-
-
-def refit_versions(rig: Rig, trainer: dict, *, with_lm_head: bool,
-                   send_dtype: torch.dtype | None = None, tol: float = FP32_TOL,
-                   reference=lambda model: model, greedy: bool = True,
-                   noise=None) -> list[float]:
-    """VERSIONS trained versions into `rig`: after each, teacher-forced log-probabilities equal
-    the trainer's (within `tol`) and moved since the version before. `reference` turns the
-    trainer's model into the one the engine must match (a bf16 copy for a bf16 engine);
-    `noise(model)`, printed only, is what rounding alone does to the reference. Returns the
-    gaps."""
-    model = trainer["model"]
-    engine = engine_logprobs(rig.url)
-    gap = (engine - hf_logprobs(reference(model))).abs().max().item()
-    assert gap <= tol, f"{rig.name} v{trainer['version']}: gap {gap:.2e} before this refit"
-    gaps = []
-    for _ in range(VERSIONS):
-        loss = sgd_step(model, LR, trainer["gen"])
-        version = trainer["version"] + 1
-        report = rig.refit(state_dict_to_send(model, with_lm_head, send_dtype), version)
-        assert report.version == version
-        trainer["version"] = version
-        before, engine = engine, engine_logprobs(rig.url)
-        truth = hf_logprobs(reference(model))
-        gap = (engine - truth).abs().max().item()
-        moved = (engine - before).abs().max().item()
-        gaps.append(gap)
-        print(f"{rig.name} v{version} ({'with' if with_lm_head else 'without'} lm_head.weight, "
-              f"loss {loss:.3f}): max |vLLM - transformers| = {gap:.2e}, moved {moved:.3f}"
-              + (f", rounding noise of the reference {noise(model):.2e}" if noise else ""))
-        assert gap <= tol, (f"{rig.name} v{version}: vLLM's log-probabilities differ from "
-                            f"transformers' by {gap:.4f} (tolerance {tol}): {engine - truth}")
-        assert moved >= max(MIN_MOVE, 10 * tol), \
-            f"{rig.name} v{version}: log-probabilities moved by {moved:.4f} only"
-        if greedy:
-            assert complete(rig.url, PROMPT, GREEDY)["token_ids"] == \
-                hf_greedy(reference(model), PROMPT, GREEDY), f"{rig.name} v{version}"
-        (d,) = rig.fleet.describe()
-        assert (d.state, d.weight_version) == (pb.SHIM_STATE_READY, version), d
-        assert http_json("GET", rig.url, "/weight_info")[1] == {"weight_version": str(version)}
-    return gaps
 
 
 def test_tied_embeddings_sent_once_refit_to_the_trainers_log_probabilities(rigs, tied_trainer):

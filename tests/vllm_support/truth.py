@@ -19,28 +19,69 @@ from pathlib import Path
 
 import torch
 
+from refit_grpc.proto import pb
 from refit_grpc.testing.logprobs import SEQUENCE, hf_logprobs  # noqa: F401  (re-exported)
-from refit_grpc.testing.vllm import SERVED_MODEL, VLLMServer, http_json, toy_batch
+from refit_grpc.testing.vllm import (
+    PROMPT,
+    SERVED_MODEL,
+    VLLMServer,
+    complete,
+    hf_greedy,
+    http_json,
+    toy_batch,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def tiny_qwen2_config(vocab_size: int = 512):
-    """Qwen2: tied embeddings, GQA (4 query heads, 2 key/value heads), biases on q/k/v. Head
-    size 128 / 4 = 32 (vLLM's CPU attention supports 32, 64, 80, ...)."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
-                       tie_word_embeddings=True, use_sliding_window=False,
-                       torch_dtype="float32")
+# Every tiny model: 2 layers, hidden 128, 4 query heads of 32 (vLLM's CPU attention supports head
+# sizes 32, 64, 80, ...), 2 key/value heads, vocabulary 512 (the harness's tokenizer).
+_COMMON = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
+               eos_token_id=1, torch_dtype="float32")
 
 
-def build_tiny_qwen2(out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0) -> Path:
-    """A random tiny tied-embedding Qwen2 next to a copy of `tokenizer_dir`'s tokenizer. The
-    checkpoint has no `lm_head.weight` (transformers saves a tied tensor once), so vLLM ties."""
-    from transformers import Qwen2ForCausalLM
+def tiny_config(family: str):
+    """The transformers config of one architecture family the refit is proven on:
+
+    - `qwen2`: tied embeddings, GQA, biases on q/k/v;
+    - `phi3`: fused names in the checkpoint itself (`qkv_proj`, `gate_up_proj`), which vLLM
+      loads as they are (no split/merge on either side);
+    - `qwen2_moe`: 4 routed experts 64 wide (a multiple of 32: vLLM CPU prepacks, no padding),
+      top-2, plus a gated shared expert;
+    - `mixtral`: 4 experts 80 wide, which vLLM CPU pads to 96 for its grouped GEMM (the width
+      whose reload failed with a size mismatch);
+    - `qwen3_moe`: 4 experts 64 wide, q/k norms, no shared expert.
+    """
+    import transformers as tf
+
+    if family == "qwen2":
+        return tf.Qwen2Config(**_COMMON, intermediate_size=256, tie_word_embeddings=True,
+                              use_sliding_window=False)
+    if family == "phi3":
+        return tf.Phi3Config(**_COMMON, intermediate_size=256, pad_token_id=2,
+                             tie_word_embeddings=False)
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**_COMMON, intermediate_size=256, moe_intermediate_size=64,
+                                 shared_expert_intermediate_size=128, num_experts=4,
+                                 num_experts_per_tok=2, tie_word_embeddings=False,
+                                 use_sliding_window=False)
+    if family == "mixtral":
+        return tf.MixtralConfig(**_COMMON, intermediate_size=80, num_local_experts=4,
+                                num_experts_per_tok=2, head_dim=32, tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**_COMMON, intermediate_size=256, moe_intermediate_size=64,
+                                 num_experts=4, num_experts_per_tok=2, head_dim=32,
+                                 tie_word_embeddings=False, use_sliding_window=False)
+    raise ValueError(f"no tiny model of family {family!r}")
+
+
+def build_tiny(family: str, out_dir: str | Path, tokenizer_dir: str | Path,
+               seed: int = 0) -> Path:
+    """A random tiny model of `family` (`tiny_config`) saved as safetensors in checkpoint
+    format, next to a copy of `tokenizer_dir`'s tokenizer. A tied model's checkpoint has no
+    `lm_head.weight` (transformers saves a tied tensor once), so vLLM ties."""
+    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -49,9 +90,13 @@ def build_tiny_qwen2(out_dir: str | Path, tokenizer_dir: str | Path, seed: int =
         if src.is_file():
             shutil.copy(src, out / name)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_qwen2_config()).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(family)).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def build_tiny_qwen2(out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0) -> Path:
+    return build_tiny("qwen2", out_dir, tokenizer_dir, seed)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
@@ -188,3 +233,60 @@ class Rig:
             return []
         self.server.stop()
         return self.server.group_pids()
+
+
+FP32_TOL = 2e-3  # measured: <= 7e-7 before and after every refit (tied and untied)
+# bfloat16 keeps 8 bits of mantissa: a log-probability near -6 is rounded by up to ~0.016 in one
+# step, and two bf16 forwards of the same bf16 weights differ by their rounding order only.
+# Measured here: vLLM bf16 vs transformers bf16 <= 0.004, transformers bf16 vs transformers fp32
+# of the same bf16 weights <= 0.0035. 0.02 is five times that, ten times below the error of the
+# stale output projection (about 0.2) and thirty times below one version's movement.
+BF16_TOL = 2e-2
+MIN_MOVE = 0.05  # each version moves some log-probability by at least this (SGD, lr 0.5)
+LR = 0.5
+VERSIONS = 3
+GREEDY = 8
+
+
+def refit_versions(rig: Rig, trainer: dict, *, with_lm_head: bool = True,
+                   send_dtype: torch.dtype | None = None, tol: float = FP32_TOL,
+                   reference=lambda model: model, greedy: bool = True,
+                   noise=None, send=None) -> list[float]:
+    """VERSIONS trained versions into `rig`: after each, teacher-forced log-probabilities equal
+    the trainer's (within `tol`) and moved since the version before. `send(model)` is what the
+    trainer sends (default: its state dict, `state_dict_to_send`); `reference` turns the
+    trainer's model into the one the engine must match (a bf16 copy for a bf16 engine);
+    `noise(model)`, printed only, is what rounding alone does to the reference. Returns the
+    gaps."""
+    model = trainer["model"]
+    engine = engine_logprobs(rig.url)
+    gap = (engine - hf_logprobs(reference(model))).abs().max().item()
+    assert gap <= tol, f"{rig.name} v{trainer['version']}: gap {gap:.2e} before this refit"
+    gaps = []
+    for _ in range(VERSIONS):
+        loss = sgd_step(model, LR, trainer["gen"])
+        version = trainer["version"] + 1
+        tensors = (send(model) if send is not None
+                   else state_dict_to_send(model, with_lm_head, send_dtype))
+        report = rig.refit(tensors, version)
+        assert report.version == version
+        trainer["version"] = version
+        before, engine = engine, engine_logprobs(rig.url)
+        truth = hf_logprobs(reference(model))
+        gap = (engine - truth).abs().max().item()
+        moved = (engine - before).abs().max().item()
+        gaps.append(gap)
+        print(f"{rig.name} v{version} ({len(tensors)} tensors, loss {loss:.3f}): "
+              f"max |vLLM - transformers| = {gap:.2e}, moved {moved:.3f}"
+              + (f", rounding noise of the reference {noise(model):.2e}" if noise else ""))
+        assert gap <= tol, (f"{rig.name} v{version}: vLLM's log-probabilities differ from "
+                            f"transformers' by {gap:.4f} (tolerance {tol}): {engine - truth}")
+        assert moved >= max(MIN_MOVE, 10 * tol), \
+            f"{rig.name} v{version}: log-probabilities moved by {moved:.4f} only"
+        if greedy:
+            assert complete(rig.url, PROMPT, GREEDY)["token_ids"] == \
+                hf_greedy(reference(model), PROMPT, GREEDY), f"{rig.name} v{version}"
+        (d,) = rig.fleet.describe()
+        assert (d.state, d.weight_version) == (pb.SHIM_STATE_READY, version), d
+        assert http_json("GET", rig.url, "/weight_info")[1] == {"weight_version": str(version)}
+    return gaps

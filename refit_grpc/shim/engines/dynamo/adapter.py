@@ -53,7 +53,6 @@ from refit_grpc.errors import (
     EpochAbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
-    InvalidPlanError,
     RefitError,
     RefitTimeoutError,
 )
@@ -191,17 +190,7 @@ class DynamoEngine(Engine):
         index = self._checkpoint
         if index is None:
             return
-        for s in plan.tensors:
-            shape = index.shapes.get(s.name)
-            if shape is None:
-                if s.name == "lm_head.weight" and index.tied_embeddings:
-                    continue
-                raise InvalidPlanError(f"{s.name!r} is not one of the {len(index.shapes)} "
-                                       f"tensors of {index.directory}",
-                                       reason=Reason.UNKNOWN_TENSOR)
-            if shape != s.shape:
-                raise InvalidPlanError(f"tensor {s.name!r}: checkpoint has shape {shape}, plan "
-                                       f"says {s.shape}", reason=Reason.TENSOR_MISMATCH)
+        index.check_plan(plan, engine="Dynamo's vLLM worker")
 
     def pause(self, mode: PauseMode, deadline: Deadline) -> None:
         self._post(routes.PAUSE, {"mode": mode.value, "clear_cache": True}, deadline,
@@ -266,7 +255,7 @@ class DynamoEngine(Engine):
                 self._post(routes.UPDATE_DISTRIBUTED, body, deadline, kind=CallKind.RECEIVE,
                            cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen,
                            on_cancel=(lambda: self._signal_abort(group, abort_key))
-                           if abort_key else None)
+                           if group is not None and abort_key else None)
             except RefitError as e:
                 m = APPLIED_RE.search(e.message)
                 if m and int(m.group(1)) == 0:

@@ -176,21 +176,7 @@ class VLLMEngine(Engine):
         index = self._checkpoint_index()
         if index is None:
             return
-        for s in plan.tensors:
-            shape = index.shapes.get(s.name)
-            if shape is None:
-                if s.name == "lm_head.weight" and index.tied_embeddings:
-                    # Tied: one parameter under two names (a checkpoint stores it once); the
-                    # trainer may send either or both (docs/vllm.md, Tied embeddings).
-                    continue
-                raise InvalidPlanError(
-                    f"vLLM loads checkpoint names and {s.name!r} is not one of the "
-                    f"{len(index.shapes)} tensors of {index.directory}",
-                    reason=Reason.UNKNOWN_TENSOR)
-            if shape != s.shape:
-                raise InvalidPlanError(
-                    f"tensor {s.name!r}: checkpoint has shape {shape}, plan says {s.shape}",
-                    reason=Reason.TENSOR_MISMATCH)
+        index.check_plan(plan)
 
     def pause(self, mode: PauseMode, deadline: Deadline) -> None:
         # Draining (wait) takes as long as the requests in flight: bounded by the deadline only.
@@ -268,7 +254,7 @@ class VLLMEngine(Engine):
                                 what="update_weights", body={"update_info": update},
                                 cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen,
                                 on_cancel=(lambda: self._signal_abort(group, abort_key))
-                           if abort_key else None)
+                           if group is not None and abort_key else None)
             except RefitError as e:
                 m = APPLIED_RE.search(e.message)
                 if m and int(m.group(1)) == 0:

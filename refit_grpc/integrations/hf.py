@@ -1,0 +1,64 @@
+"""A transformers trainer's tensors under the names an engine loads.
+
+Engines load checkpoint names: vLLM's `load_weights` takes what `save_pretrained` writes, and the
+shim checks a plan against the engine's checkpoint (Prepare refuses a name it cannot load with
+UNKNOWN_TENSOR). transformers >= 5 holds some weights in memory in another shape than it saves
+them: a mixture-of-experts layer keeps its experts fused (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I]) and writes one tensor per expert and projection
+(`mlp.experts.0.gate_proj.weight`, ...; Mixtral's `block_sparse_moe.experts.0.w1.weight`). So
+`model.state_dict()` of such a model names tensors no checkpoint has.
+
+`checkpoint_state_dict(model)` is the one call a trainer makes instead: transformers' own
+reverse of its load-time conversion (`revert_weight_conversion`, what `save_pretrained` uses), so
+the names and shapes are exactly the checkpoint's, for every family transformers converts. The
+per-expert tensors are views into the fused parameters where the conversion allows (no copy);
+the sender packs them like any tensor.
+
+    from refit_grpc.integrations.hf import checkpoint_state_dict
+
+    tensors = checkpoint_state_dict(model)
+    fleet.prepare({n: (t.shape, t.dtype) for n, t in tensors.items()})
+    ...
+    fleet.refit(link, checkpoint_state_dict(model))   # every step: same names, same order
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+# Names of fused expert tensors as transformers >= 5 holds them in memory (no `.weight`).
+FUSED_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_proj",
+                         ".experts.up_proj")
+
+
+def checkpoint_state_dict(model: Any, state_dict: Mapping[str, torch.Tensor] | None = None
+                          ) -> dict[str, torch.Tensor]:
+    """`model`'s tensors (or `state_dict`'s, a state dict of `model`) under the names and
+    shapes `model.save_pretrained` writes.
+
+    Args:
+        model: a transformers `PreTrainedModel`.
+        state_dict: the tensors to rename; `model.state_dict()` when None.
+    Returns:
+        A new dict, name -> tensor, in a deterministic order (the same every call for the same
+        model), detached. Models transformers does not convert come back unchanged.
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    tensors = dict(model.state_dict() if state_dict is None else state_dict)
+    reverted = revert_weight_conversion(model, tensors)
+    return {name: t.detach() for name, t in reverted.items()}
+
+
+def fused_expert_hint(names: Iterable[str]) -> str:
+    """What to tell a trainer whose plan has `names` the engine cannot load, when one of them is
+    a fused expert tensor as transformers >= 5 holds it in memory; "" otherwise."""
+    if any(name.endswith(FUSED_EXPERT_SUFFIXES) for name in names):
+        return ("; these are transformers' in-memory names (experts fused): send the "
+                "checkpoint's names with refit_grpc.integrations.hf.checkpoint_state_dict(model)")
+    return ""
