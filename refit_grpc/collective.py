@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,6 @@ from refit_grpc.common import CANCEL_POLL_S, Deadline, GroupSpec
 from refit_grpc.errors import (
     CollectiveError,
     InvalidArgumentError,
-    InvalidPlanError,
     RefitTimeoutError,
 )
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
@@ -44,7 +44,7 @@ class Group:
 
     def __init__(self, spec: GroupSpec, store: dist.Store, pg: dist.ProcessGroup):
         self.spec = spec
-        self._store = store
+        self._store: dist.Store | None = store
         self._pg: dist.ProcessGroup | None = pg
         # Held while a collective is enqueued and while close() takes the group away. Gloo's
         # destructor waits for every pending op; without the lock a thread mid-enqueue could end
@@ -78,8 +78,10 @@ class Group:
                                   wait_for_workers=False)
             prefixed = dist.PrefixStore(f"refit_grpc/{spec.group_id}", store)
             timeout = datetime.timedelta(seconds=max(end - time.monotonic(), 0.001))
+            pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
             if spec.backend == "gloo":
-                opts = dist.ProcessGroupGloo._Options()
+                # torch's stubs lack _Options (the constructor takes one at runtime).
+                opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 opts._timeout = timeout
                 opts._devices = [_gloo_device(spec.master_address)]
                 pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, opts)
@@ -97,7 +99,9 @@ class Group:
                                   f"failed: {text[:300]}", reason=Reason.RENDEZVOUS_FAILED) from e
         log.info("joined group %s rank %d/%d (%s)", spec.group_id, spec.rank, spec.world_size,
                  spec.backend)
-        return cls(spec, store, pg)
+        # torch's stubs lack the broadcast() the gloo and NCCL backends have at runtime; Group
+        # types its backend as a ProcessGroup, whose broadcast() has the same signature.
+        return cls(spec, store, pg)  # type: ignore[arg-type]
 
     @property
     def closed(self) -> bool:
@@ -137,7 +141,7 @@ class Group:
             if self._pg is None:
                 return
             # No local may keep a reference: the caller's frame would then run the destructor.
-            refs = [self._pg, self._store]
+            refs: list[Any] = [self._pg, self._store]
             self._pg = self._store = None
         if self.spec.backend == "nccl":
             try:
@@ -188,7 +192,7 @@ def set_store_key(host: str, port: int, key: str, timeout_s: float) -> bool:
     try:
         store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=max(timeout_s, 0.001)))
-        store.set(key, b"1")
+        store.set(key, "1")
     except (RuntimeError, dist.DistError) as e:
         log.info("store key %s not set: %s", key, e)
         return False
@@ -340,15 +344,7 @@ class Sender:
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Refuse, before any byte moves, tensors that do not match the plan."""
-        for s in self.plan.tensors:
-            t = tensors.get(s.name)
-            if t is None:
-                raise InvalidPlanError(f"tensor {s.name!r} of the plan is missing",
-                                       reason=Reason.MISSING_TENSOR)
-            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-                raise InvalidPlanError(
-                    f"tensor {s.name!r} is {tuple(t.shape)} {t.dtype}, plan says {s.shape} {s.dtype}",
-                    reason=Reason.TENSOR_MISMATCH)
+        self.plan.check_tensors(tensors)
 
     @property
     def buffer_bytes(self) -> int:
@@ -386,8 +382,9 @@ class Sender:
                             op.wait(deadline, f"broadcast before bucket {bucket.index}")
                     in_flight = [None] * len(self._slots)
                     self._slots = _buffers(bucket.nbytes, len(self._slots), device)
-                if in_flight[k] is not None:
-                    in_flight[k].wait(deadline, f"broadcast before bucket {bucket.index}")
+                pending = in_flight[k]
+                if pending is not None:
+                    pending.wait(deadline, f"broadcast before bucket {bucket.index}")
                 buf = pack_into(self._slots[k], [tensors[s.name].to(device) for s in specs])
                 in_flight[k] = self.group.broadcast_async(buf, deadline)
             if on_bucket:
@@ -414,7 +411,7 @@ def _span(tensors: Sequence[torch.Tensor], nbytes: int, device: torch.device) ->
             return None
         end += t.nbytes
     view = torch.empty(0, dtype=torch.uint8, device=device)
-    return view.set_(storage, first.data_ptr() - base, (nbytes,))
+    return view.set_(storage, first.data_ptr() - base, (nbytes,), (1,))
 
 
 def receive(group: Group, plan: RefitPlan, deadline: Deadline,

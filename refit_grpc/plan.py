@@ -175,6 +175,19 @@ class RefitPlan:
             raise PlanTooLargeError(
                 f"plan is {self.total_bytes} bytes, limit {max_total_bytes}")
 
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse, before any byte moves, tensors that do not match the plan (every sender's
+        first step)."""
+        for s in self.tensors:
+            t = tensors.get(s.name)
+            if t is None:
+                raise InvalidPlanError(f"tensor {s.name!r} of the plan is missing",
+                                       reason=Reason.MISSING_TENSOR)
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                raise InvalidPlanError(
+                    f"tensor {s.name!r} is {tuple(t.shape)} {t.dtype}, plan says {s.shape} {s.dtype}",
+                    reason=Reason.TENSOR_MISMATCH)
+
     @cached_property
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.tensors)

@@ -110,3 +110,18 @@ def test_pack_unpack_roundtrip_every_dtype_and_layout():
         assert torch.equal(as_tensor(spec, raw), tensors[spec.name])
     assert weights_digest(tensors.items()) == weights_digest(
         (s.name, as_tensor(s, r)) for s, r in unpack(packed, plan.tensors))
+
+
+def test_check_tensors_refuses_what_the_plan_does_not_name():
+    # Every sender's first step (the gloo Sender and the NCCL one share it), before any byte moves.
+    plan = RefitPlan.from_tensors([("a", torch.zeros(2, 3)),
+                                   ("b", torch.zeros(4, dtype=torch.bfloat16))])
+    good = {"a": torch.ones(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    plan.check_tensors(good)
+    plan.check_tensors({**good, "extra": torch.zeros(1)})  # names outside the plan are not sent
+    for tensors, reason in [({"a": good["a"]}, "MISSING_TENSOR"),
+                            ({**good, "a": torch.ones(3, 2)}, "TENSOR_MISMATCH"),
+                            ({**good, "b": torch.ones(4)}, "TENSOR_MISMATCH")]:
+        with pytest.raises(InvalidPlanError) as e:
+            plan.check_tensors(tensors)
+        assert e.value.reason == reason

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from refit_grpc.collective import Sender, TransferStats, pack_into
+from refit_grpc.collective import TransferStats, pack_into
 from refit_grpc.common import Deadline
 from refit_grpc.errors import (
     CollectiveError,
@@ -77,7 +77,9 @@ class NcclSender:
             getattr(comm, "device", "cpu"))
         self.join_seconds = 0.0
 
-    check_tensors = Sender.check_tensors  # the same refusal, before any byte moves
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse, before any byte moves, tensors that do not match the plan."""
+        self.plan.check_tensors(tensors)
 
     @classmethod
     def connect(cls, master_address: str, master_port: int, world_size: int, plan: RefitPlan,
