@@ -246,6 +246,8 @@ def http_json(method: str, url: str, path: str, body: Any = None,
               timeout_s: float = 60.0) -> tuple[int, Any]:
     """One request on a fresh connection (vLLM closes keep-alive after a 500)."""
     parts = urllib.parse.urlsplit(url)
+    if parts.hostname is None:
+        raise ValueError(f"no host in {url!r}")
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     try:
         data = None if body is None else json.dumps(body).encode()

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from refit_grpc.dynamo_info import INIT_TIMEOUT_DEFAULT_S, INIT_TIMEOUT_ENV, join_limit_s
 
@@ -55,6 +55,12 @@ def dynamo_init_limit_s() -> float:
 class RefitGlooWorkerExtension:
     """Mixed into vLLM's worker class by `--worker-extension-cls`: every name here must be new to
     that class (vLLM checks), hence the prefixes on the helpers."""
+
+    if TYPE_CHECKING:  # the vLLM worker's own attributes, which these methods use
+        parallel_config: Any
+        vllm_config: Any
+        model_config: Any
+        model_runner: Any
 
     def init_broadcaster(self, **init_info: Any) -> dict[str, Any]:
         from refit_grpc.vllm_plugin.layerwise import GlooInitInfo, worker_rank

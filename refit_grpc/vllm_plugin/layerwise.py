@@ -239,7 +239,8 @@ class LayerwiseReceiver:
                     loads.append((name, tensor))
             if loads:
                 with torch.no_grad():
-                    self.model.load_weights(loads)
+                    # A vLLM model's own method; nn.Module's __getattr__ types it Tensor | Module.
+                    self.model.load_weights(loads)  # type: ignore[operator]
 
         watcher = (_AbortWatcher(self._store(info), update_info.abort_key, deadline.cancel)
                    if update_info.abort_key else None)
