@@ -4,6 +4,7 @@ byte-exact. Each test prints its measured timings (pytest -s) for the fault tabl
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,12 +15,21 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from refit_grpc import EpochFailedError, Fleet, FleetError, Packing, RefitError, WorkerEndpoint
+from refit_grpc import (
+    EpochFailedError,
+    EpochRefusedError,
+    Fleet,
+    FleetError,
+    Packing,
+    RefitError,
+    WorkerEndpoint,
+)
 from refit_grpc.common import Deadline
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb, pb_grpc
+from refit_grpc.testing.forked_shims import ShimForkServer
 
-from support import describe_or_none, fleet_mid_epoch, free_port, info
+from support import describe_or_none, fleet_mid_epoch, free_port, info, tensors_v
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +111,128 @@ def test_shim_sigkill_mid_broadcast(shim_procs):
         recovery = recover_and_check(fleet, 3)
     print(f"\nFAULT sigkill-shim: typed error after {to_error:.2f}s, survivors "
           f"{[pb.ShimState.Name(s) for s in states]}, recovery {recovery:.2f}s byte-exact")
+
+
+RACE_TRIES = 30
+
+
+def test_shim_killed_just_before_an_epoch_is_named():
+    """The race behind a wrong blame: the shim at rank 1 is SIGKILLed 0-20 ms before an epoch
+    starts. A survivor's receive then fails at once (COLLECTIVE_FAILED, connection reset) and
+    its answer can reach the driver before the dead shim's own (UNAVAILABLE); the refusal must
+    still name the dead shim, first. Every try forms a fresh group with a fresh victim; the three
+    survivors are reused. Shims are forked from a preloaded server: a fresh interpreter would
+    spend most of the run importing torch."""
+    weights = tensors_v(1)
+    delays = [0.020 * k / (RACE_TRIES - 1) for k in range(RACE_TRIES)]
+    misses: list[str] = []
+    to_error: list[float] = []
+    t0 = time.monotonic()
+    with ShimForkServer() as forks:
+        survivors = [forks.start("--model", "none", "--instance-id", f"s{i}") for i in (1, 2, 3)]
+        for k, delay in enumerate(delays):
+            victim = forks.start("--model", "none", "--instance-id", f"v{k}")
+            with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in [victim, *survivors]],
+                       packing=Packing(4096, 2), epoch_timeout_s=10,
+                       control_timeout_s=5) as fleet:
+                fleet.prepare(info(weights))
+                link = fleet.connect("127.0.0.1", free_port())
+                victim.signal(signal.SIGKILL)
+                time.sleep(delay)
+                started = time.monotonic()
+                with pytest.raises(EpochRefusedError) as e:
+                    fleet.refit(link, weights, version=1)
+                to_error.append(time.monotonic() - started)
+                link.close()
+                assert victim.wait(5) == -signal.SIGKILL
+                if not e.value.workers or e.value.workers[0] != victim.instance_id:
+                    misses.append(f"try {k} ({delay * 1e3:.1f} ms): {e.value}")
+    assert all(s.process.exitcode is not None for s in forks.started), "a shim outlived the test"
+    elapsed = time.monotonic() - t0
+    print(f"\nFAULT sigkill-before-epoch: {RACE_TRIES} tries in {elapsed:.1f}s, typed error "
+          f"{min(to_error):.2f}-{max(to_error):.2f}s after the epoch began, the dead shim not "
+          f"named first in {len(misses)}")
+    assert not misses, "\n".join(misses)
+
+
+class SlowToTellRelay:
+    """A TCP relay in front of one shim's gRPC port that tells the driver late: when the shim's
+    side of a connection closes (or cannot be opened: the shim is gone), the driver's side is
+    held open `hold_s` longer before it is closed. A dead shim's UNAVAILABLE then reaches the
+    driver after its survivors' COLLECTIVE_FAILED, every time: the race above, made certain."""
+
+    def __init__(self, upstream: str, hold_s: float):
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._hold_s = hold_s
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True, name="relay-accept").start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self._upstream, timeout=2)
+        except OSError:
+            upstream = None
+        if upstream is not None:
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+            self._pump(upstream, client)  # until the shim's side ends
+        time.sleep(self._hold_s)
+        for s in (client, upstream):
+            if s is not None:
+                s.close()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+
+
+def test_dead_shim_named_when_its_answer_comes_last(shim_procs):
+    """SIGKILL the shim at rank 1, then start an epoch; the driver reaches that shim through a
+    relay that reports the dead connection 0.5 s late, so the survivors' consequence
+    (COLLECTIVE_FAILED: their receive reset by the dead peer) always arrives first. The refusal
+    names the dead shim first all the same, and the survivors after it."""
+    shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(4)]
+    relay = SlowToTellRelay(shims[0].address, hold_s=0.5)
+    weights = tensors_v(1)
+    try:
+        endpoints = [WorkerEndpoint("w0", relay.address)] + [
+            WorkerEndpoint(s.instance_id, s.address) for s in shims[1:]]
+        with Fleet(endpoints, packing=Packing(4096, 2), epoch_timeout_s=10,
+                   control_timeout_s=5) as fleet:
+            fleet.prepare(info(weights))
+            link = fleet.connect("127.0.0.1", free_port())
+            shims[0].signal(signal.SIGKILL)
+            shims[0].proc.wait(5)
+            with pytest.raises(EpochRefusedError) as e:
+                fleet.refit(link, weights, version=1)
+            link.close()
+    finally:
+        relay.close()
+    failures = e.value.failures
+    assert failures and failures[0].instance_id == "w0", str(e.value)
+    assert failures[0].code == grpc.StatusCode.UNAVAILABLE, str(e.value)
+    assert e.value.reason == failures[0].reason
+    # The survivors' own failures, when they came before the abort, follow as consequences.
+    assert all(f.reason == "COLLECTIVE_FAILED" for f in failures[1:]), str(e.value)
+    print(f"\nFAULT sigkill-before-epoch, dead shim's answer last: {e.value}")
 
 
 def test_shim_frozen_longer_than_the_deadline(shim_procs):

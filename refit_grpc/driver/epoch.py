@@ -21,6 +21,7 @@ from refit_grpc.driver.failures import (
     FleetTimeoutError,
     MembershipRefusedError,
     WorkerFailure,
+    explained_by_abort,
     failure_from_rpc,
     root_causes_first,
 )
@@ -32,7 +33,9 @@ ProgressCallback = Callable[[str, int, int], None]
 # Aborts every worker of the fleet; returns one answer per worker, None where none came.
 AbortFleet = Callable[[str], Sequence[object | None]]
 
-# How long an epoch waits for streams to settle after it aborted the fleet.
+# How long an epoch waits for streams to settle after it aborted the fleet: every failure that
+# arrives by then is collected, so the worker that caused the others is named even when a
+# survivor's consequence (its collective reset by the dead peer) reached the driver first.
 _SETTLE_AFTER_REFUSAL_S = 2.0
 _SETTLE_AFTER_FAILURE_S = 5.0
 
@@ -79,6 +82,7 @@ class EpochHandle:
         self._accepted_ever = [False] * n
         self._committed: list[pb.UpdateWeightsResponse | None] = [None] * n
         self._failures: list[WorkerFailure | None] = [None] * n
+        self._failure_order: list[int] = []  # worker indexes, in the order their failures came
         self._done = [threading.Event() for _ in range(n)]
         self._changed = threading.Condition()
         self._aborted = False
@@ -111,7 +115,14 @@ class EpochHandle:
 
     def wait_accepted(self, timeout_s: float | None = None) -> None:
         """Block until every worker said ACCEPTED. Raises EpochRefusedError (after aborting the
-        fleet) if any refused, FleetTimeoutError if any stays silent past the timeout."""
+        fleet) if any refused, FleetTimeoutError if any stays silent past the timeout.
+
+        The first failure aborts the fleet; the refusal then names every worker that failed
+        until the streams settle (bounded by _SETTLE_AFTER_REFUSAL_S), root causes first: a
+        dead shim's UNAVAILABLE can arrive after a survivor's COLLECTIVE_FAILED (its receive
+        reset by that dead peer), and it is the dead one that must lead. Failures that the
+        driver's own Abort explains (`explained_by_abort`) and that came after it name no one.
+        """
         end = min(self.deadline_at, time.monotonic() + (timeout_s or float("inf")))
         with self._changed:
             while True:
@@ -123,12 +134,16 @@ class EpochHandle:
                 if left <= 0:
                     break
                 self._changed.wait(min(left, 0.5))
-            refused_ids = {f.instance_id for f in self._failures if f is not None}
+            before_abort = set(self._failure_order)
             silent = [self._workers[i].endpoint for i, a in enumerate(self._accepted_ever)
                       if not a and self._failures[i] is None]
         self.abort(f"epoch {self.version} refused")
         self._settle(_SETTLE_AFTER_REFUSAL_S)
-        refused = [f for f in self._failures_so_far() if f.instance_id in refused_ids]
+        # No failure before the abort: the wait timed out, and what the streams say now is the
+        # abort's (or the deadline's) doing; the silent workers are named below.
+        refused = root_causes_first(
+            f for i, f in self._failures_so_far()
+            if i in before_abort or (before_abort and not explained_by_abort(f)))
         if refused and all(f.reason == Reason.MEMBERSHIP_CHANGED for f in refused):
             raise MembershipRefusedError(f"epoch {self.version} refused: restarted since the "
                                          "group was formed", refused)
@@ -160,7 +175,7 @@ class EpochHandle:
         self.abort(f"epoch {self.version} failed")
         self._settle(_SETTLE_AFTER_FAILURE_S)
         self.cancel()
-        failures = self._failures_so_far()
+        failures = [f for _, f in self._failures_so_far()]
         failed_ids = {f.instance_id for f in failures}
         unfinished = [w.endpoint for w, ev in zip(self._workers, self._done)
                       if not ev.is_set() and w.endpoint.instance_id not in failed_ids]
@@ -203,6 +218,7 @@ class EpochHandle:
     # --- the streams -------------------------------------------------------------------------
 
     def _consume(self, i: int, w: WorkerLink, request: pb.UpdateWeightsRequest) -> None:
+        failure: WorkerFailure | None = None
         try:
             call = w.stub.UpdateWeights(
                 request, timeout=max(self.deadline_at - time.monotonic(), 0.001),
@@ -228,33 +244,33 @@ class EpochHandle:
             if self._committed[i] is None:
                 raise RuntimeError("stream ended without COMMITTED")
         except grpc.RpcError as e:
-            with self._changed:
-                self._failures[i] = failure_from_rpc(w.endpoint, e)
+            failure = failure_from_rpc(w.endpoint, e)
         except Exception as e:  # noqa: BLE001  (reported as a failure of this worker)
-            with self._changed:
-                self._failures[i] = WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
-                                                  grpc.StatusCode.UNKNOWN, Reason.DRIVER_ERROR,
-                                                  str(e))
+            failure = WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
+                                    grpc.StatusCode.UNKNOWN, Reason.DRIVER_ERROR, str(e))
         finally:
             with self._changed:
-                if self._failures[i] is not None:
+                if failure is not None:
+                    self._failures[i] = failure
+                    self._failure_order.append(i)
                     self._phase[i] = StreamPhase.FAILED
                     self.failed.set()
                 self._done[i].set()
                 self._changed.notify_all()
 
-    def _failures_so_far(self) -> list[WorkerFailure]:
+    def _failures_so_far(self) -> list[tuple[int, WorkerFailure]]:
+        """(worker index, failure) in the order the failures came; a worker that did not even
+        answer Abort is UNRESPONSIVE."""
         out = []
         with self._changed:
-            failures, unresponsive = list(self._failures), set(self._unresponsive)
-        for i, f in enumerate(failures):
-            if f is None:
-                continue
+            order, unresponsive = list(self._failure_order), set(self._unresponsive)
+            failures = [self._failures[i] for i in order]
+        for i, f in zip(order, failures):
             if i in unresponsive:
                 f = WorkerFailure(f.instance_id, f.address, grpc.StatusCode.UNAVAILABLE,
                                   Reason.UNRESPONSIVE, f"did not answer Abort; stream: "
                                   f"{f.reason}: {f.message}")
-            out.append(f)
+            out.append((i, f))
         return out
 
     def _settle(self, seconds: float) -> None:

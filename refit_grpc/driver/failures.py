@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -75,6 +75,20 @@ class WeightsMismatchError(FleetError):
     default_reason = Reason.WEIGHTS_MISMATCH
 
 
+class CanaryMismatchError(FleetError):
+    """Every engine committed, but some computed the canary's log-probabilities away from the
+    trainer's by more than the tolerance, or could not compute them (`refit(canary=...)`); the
+    fleet was not flushed, so the engines stay paused and serve nothing. `failures` names the
+    engines that differ; `gaps` has every engine's largest difference (inf where none came)."""
+
+    default_reason = Reason.CANARY_MISMATCH
+
+    def __init__(self, message: str, failures: Sequence[WorkerFailure], *,
+                 gaps: Mapping[str, float], reason: str | None = None):
+        super().__init__(message, failures, reason=reason)
+        self.gaps = dict(gaps)
+
+
 class FleetTimeoutError(FleetError, TimeoutError):
     code = Code.DEADLINE_EXCEEDED
     default_reason = Reason.DEADLINE_EXCEEDED
@@ -113,7 +127,8 @@ def odd_digests(digests: Sequence[str]) -> tuple[str | None, list[int]]:
 
 def root_causes_first(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
     """Order failures so the cause leads: a worker that vanished or failed on its own, then
-    workers whose collective broke because a peer went away, then those our Abort cancelled."""
+    workers whose collective broke because a peer went away, then those our Abort cancelled.
+    Stable: within one rank, the order given (the driver's: the order the failures came)."""
 
     def rank(f: WorkerFailure) -> int:
         if f.code == grpc.StatusCode.UNAVAILABLE:
@@ -123,3 +138,15 @@ def root_causes_first(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
         return 2 if f.reason == Reason.COLLECTIVE_FAILED else 3
 
     return sorted(failures, key=rank)
+
+
+def explained_by_abort(f: WorkerFailure) -> bool:
+    """Whether the driver's own Abort (or the deadline running out meanwhile) could have caused
+    this failure: the shim's epoch aborted or its group torn down under it, a cancelled or
+    expired stream, or an UpdateWeights that reached the shim after the Abort had dropped its
+    group. A failure that arrives after the driver aborted a refused epoch names its worker only
+    when nothing the driver did explains it: the worker is unreachable (UNAVAILABLE: dead, or
+    did not even answer Abort), or it refused on its own (STALE_VERSION, MEMBERSHIP_CHANGED...)."""
+    return (f.code in (grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+                       grpc.StatusCode.DEADLINE_EXCEEDED)
+            or f.reason in (Reason.NO_GROUP, Reason.WRONG_STATE))

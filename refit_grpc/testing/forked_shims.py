@@ -1,0 +1,127 @@
+"""Shim processes forked from a server that has already imported torch and the shim, for tests
+that need many short-lived shims (each one killed): a fresh interpreter spends 2-3 s importing
+torch on a 2-core host, a fork milliseconds.
+
+Each shim is its own process running `refit-grpc shim`'s entry point (`cli.main`), with its own
+gRPC server and gloo sockets, killed by real signals; only its start differs from
+`shim.process.spawn_shim`. The fork server is multiprocessing's: it forks from a single thread
+that has never started gRPC, and it exits with the process that started it (so do its shims:
+each asks the kernel for SIGTERM when its parent, the fork server, goes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+from refit_grpc.shim.process import READY_PREFIX
+
+_PRELOAD = ["refit_grpc.cli", "refit_grpc.collective", "refit_grpc.shim.server",
+            "refit_grpc.shim.service", "refit_grpc.shim.engines.reference"]
+_PR_SET_PDEATHSIG = 1
+
+
+class _Lines(io.TextIOBase):
+    """The child's stdout: every write goes to the parent over a pipe."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection):
+        self._conn = conn
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        try:
+            self._conn.send(text)
+        except OSError:  # the parent stopped listening: nothing else reads this
+            pass
+        return len(text)
+
+
+def _run_shim(argv: list[str], conn: multiprocessing.connection.Connection) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    sys.stdout = _Lines(conn)
+    from refit_grpc.cli import main
+
+    sys.exit(main(argv))
+
+
+@dataclass
+class ForkedShim:
+    process: multiprocessing.process.BaseProcess
+    address: str
+    instance_id: str
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.process.pid, signum)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit code (negative: killed by that signal), or None if still running."""
+        self.process.join(timeout_s)
+        return self.process.exitcode
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        if self.process.exitcode is None:
+            self.process.terminate()
+            if self.wait(timeout_s) is None:
+                self.process.kill()
+                self.wait(5)
+        return self.process.exitcode
+
+
+class ShimForkServer:
+    """Starts shims (`start(*args)`, the arguments of `refit-grpc shim`); `close()` stops every
+    one still running."""
+
+    def __init__(self) -> None:
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(_PRELOAD)
+        self.started: list[ForkedShim] = []
+
+    def start(self, *args: str, timeout_s: float = 60.0) -> ForkedShim:
+        argv = ["shim", *args]
+        if "--address" not in args:
+            argv += ["--address", "127.0.0.1:0"]
+        receive, send = self._ctx.Pipe(duplex=False)
+        process = self._ctx.Process(target=_run_shim, args=(argv, send), daemon=True)
+        process.start()
+        send.close()
+        try:
+            while receive.poll(timeout_s):
+                text = receive.recv()
+                if text.startswith(READY_PREFIX):
+                    address, instance_id = text[len(READY_PREFIX):].split()
+                    shim = ForkedShim(process, address, instance_id)
+                    self.started.append(shim)
+                    return shim
+        except EOFError:
+            pass
+        finally:
+            receive.close()
+        process.kill()
+        process.join(5)
+        raise RuntimeError(f"forked shim {argv} did not serve within {timeout_s}s "
+                           f"(exit code {process.exitcode})")
+
+    def close(self) -> None:
+        for shim in self.started:
+            shim.stop()
+
+    def __enter__(self) -> ShimForkServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
