@@ -10,7 +10,7 @@ from refit_grpc.v1 import reference_engine_pb2_grpc as ref_pb_grpc  # noqa: F401
 from refit_grpc.v1 import refit_pb2 as pb
 from refit_grpc.v1 import refit_pb2_grpc as pb_grpc  # noqa: F401
 
-DTYPE_TO_PROTO: dict[torch.dtype, int] = {
+DTYPE_TO_PROTO: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.D_TYPE_FLOAT32,
     torch.float16: pb.D_TYPE_FLOAT16,
     torch.bfloat16: pb.D_TYPE_BFLOAT16,
@@ -26,12 +26,14 @@ DTYPE_TO_PROTO: dict[torch.dtype, int] = {
 }
 DTYPE_FROM_PROTO: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_PROTO.items()}
 
-BACKEND_NAMES: dict[int, str] = {pb.BACKEND_GLOO: "gloo", pb.BACKEND_NCCL: "nccl"}
-BACKEND_FROM_NAME: dict[str, int] = {v: k for k, v in BACKEND_NAMES.items()}
+# Python -> proto maps fill request fields, typed with the generated enums (the .pyi stubs check
+# them); proto -> Python maps take what arrives, any int (an unknown value is not a key).
+BACKEND_FROM_NAME: dict[str, pb.Backend] = {"gloo": pb.BACKEND_GLOO, "nccl": pb.BACKEND_NCCL}
+BACKEND_NAMES: dict[int, str] = {v: k for k, v in BACKEND_FROM_NAME.items()}
 
-PAUSE_MODE_FROM_PROTO: dict[int, PauseMode] = {
-    pb.PAUSE_MODE_KEEP: PauseMode.KEEP,
-    pb.PAUSE_MODE_WAIT: PauseMode.WAIT,
-    pb.PAUSE_MODE_ABORT: PauseMode.ABORT,
+PAUSE_MODE_TO_PROTO: dict[PauseMode, pb.PauseMode] = {
+    PauseMode.KEEP: pb.PAUSE_MODE_KEEP,
+    PauseMode.WAIT: pb.PAUSE_MODE_WAIT,
+    PauseMode.ABORT: pb.PAUSE_MODE_ABORT,
 }
-PAUSE_MODE_TO_PROTO: dict[PauseMode, int] = {v: k for k, v in PAUSE_MODE_FROM_PROTO.items()}
+PAUSE_MODE_FROM_PROTO: dict[int, PauseMode] = {v: k for k, v in PAUSE_MODE_TO_PROTO.items()}
