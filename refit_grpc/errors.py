@@ -35,10 +35,12 @@ class RefitError(Exception):
     code: Code = Code.UNKNOWN
     default_reason: Reason = Reason.REFIT_ERROR
 
-    def __init__(self, message: str, *, reason: Reason | None = None):
+    def __init__(self, message: str, *, reason: Reason | str | None = None):
         super().__init__(message)
         self.message = message
-        self.reason: Reason = reason or self.default_reason
+        # A Reason; a plain str only where a worker's reason is relayed that this version does
+        # not know (a fleet error: a newer shim's reason, or a gRPC status code's name).
+        self.reason: Reason | str = reason or self.default_reason
 
     def __reduce__(self):
         # By class, args and attributes, never through __init__ (subclasses take other

@@ -264,8 +264,8 @@ class EpochHandle:
         out = []
         with self._changed:
             order, unresponsive = list(self._failure_order), set(self._unresponsive)
-            failures = [self._failures[i] for i in order]
-        for i, f in zip(order, failures):
+            failed = [(i, f) for i in order if (f := self._failures[i]) is not None]
+        for i, f in failed:
             if i in unresponsive:
                 f = WorkerFailure(f.instance_id, f.address, grpc.StatusCode.UNAVAILABLE,
                                   Reason.UNRESPONSIVE, f"did not answer Abort; stream: "

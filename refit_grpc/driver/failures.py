@@ -85,7 +85,7 @@ class CanaryMismatchError(FleetError):
 
     def __init__(self, message: str, failures: Sequence[WorkerFailure], *,
                  gaps: Mapping[str, float], reason: str | None = None):
-        super().__init__(message, failures, reason=reason)
+        super().__init__(message, list(failures), reason=reason)
         self.gaps = dict(gaps)
 
 
