@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 # even under --no-implicit-reexport); at runtime they never run (that is the laziness), and
 # `_public_names()` reads them from this file instead, for `__all__` and `__getattr__`.
 if TYPE_CHECKING:
+    from refit_grpc.canary import Canary as Canary
     from refit_grpc.common import Deadline as Deadline
     from refit_grpc.common import PauseMode as PauseMode
     from refit_grpc.driver import ChannelSecurity as ChannelSecurity
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from refit_grpc.driver import Fleet as Fleet
     from refit_grpc.driver import TrainerLink as TrainerLink
     from refit_grpc.driver import WorkerEndpoint as WorkerEndpoint
+    from refit_grpc.driver.failures import CanaryMismatchError as CanaryMismatchError
     from refit_grpc.driver.failures import EpochFailedError as EpochFailedError
     from refit_grpc.driver.failures import EpochRefusedError as EpochRefusedError
     from refit_grpc.driver.failures import FleetError as FleetError

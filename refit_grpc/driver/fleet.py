@@ -29,11 +29,13 @@ import grpc
 import tenacity
 import torch
 
+from refit_grpc.canary import Canary
 from refit_grpc.collective import Group
 from refit_grpc.common import GroupSpec, PauseMode
 from refit_grpc.driver.endpoint import ChannelSecurity, WorkerEndpoint
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback, WorkerLink
 from refit_grpc.driver.failures import (
+    CanaryMismatchError,
     EpochFailedError,
     FleetError,
     FleetTimeoutError,
@@ -57,6 +59,8 @@ class WorkerReport:
     seconds: float
     bytes: int
     weights_digest: str
+    canary_gap: float | None = None  # max |engine - trainer| of the epoch's canary, if any
+    canary_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -289,10 +293,13 @@ class Fleet:
     def update_weights(self, version: int | None = None,
                        pause_mode: PauseMode = PauseMode.KEEP,
                        on_progress: ProgressCallback | None = None, *,
-                       verify_weights: bool = False) -> EpochHandle:
+                       verify_weights: bool = False,
+                       canary: Canary | None = None) -> EpochHandle:
         """Open an epoch on every shim; returns the handle the trainer waits on while it
         broadcasts. Version defaults to the last one + 1. `verify_weights`: every engine
-        reports its weights digest in COMMITTED (it reads every weight)."""
+        reports its weights digest in COMMITTED (it reads every weight). `canary`: every
+        engine computes its log-probabilities after the commit and reports them in COMMITTED
+        (`check_canary` compares them)."""
         if self._plan is None:
             raise RuntimeError("prepare() must be called before update_weights()")
         if self._group_id is None:
@@ -308,7 +315,8 @@ class Fleet:
                                             group_id=self._group_id,
                                             pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
                                             instance_id=instance_id,
-                                            verify_weights=verify_weights)
+                                            verify_weights=verify_weights,
+                                            canary=canary.to_proto() if canary else None)
                     for instance_id in joined]
         if self._closed:
             raise RuntimeError("the fleet is closed")
@@ -323,17 +331,24 @@ class Fleet:
               version: int | None = None, *, flush: bool = True,
               pause_mode: PauseMode = PauseMode.KEEP,
               on_progress: ProgressCallback | None = None,
-              verify_weights: bool = False) -> EpochReport:
+              verify_weights: bool = False,
+              canary: Canary | None = None) -> EpochReport:
         """One whole epoch: UpdateWeights everywhere, wait for every ACCEPTED, broadcast, wait for
         every COMMITTED, then (by default) flush so engines serve the new weights.
 
         `verify_weights`: every engine computes its weights digest at commit, and engines that
         disagree raise WeightsMismatchError naming them, before the flush: every engine stays
-        paused on the new version, serving nothing, until the operator decides."""
+        paused on the new version, serving nothing, until the operator decides.
+
+        `canary`: after the commit, before any engine serves again, every engine computes the
+        canary's teacher-forced log-probabilities; an engine farther from the trainer's than
+        `canary.tolerance` at any position (or unable to compute them) raises
+        CanaryMismatchError naming it, before the flush (every engine stays paused). Each
+        engine's gap is in the report (`WorkerReport.canary_gap`)."""
         link.sender.check_tensors(tensors)  # refuse bad input before any shim pauses
         t0 = time.monotonic()
         handle = self.update_weights(version, pause_mode, on_progress,
-                                     verify_weights=verify_weights)
+                                     verify_weights=verify_weights, canary=canary)
         try:
             handle.wait_accepted()
         except FleetError:
@@ -362,13 +377,17 @@ class Fleet:
         seconds = time.monotonic() - t0
         if verify_weights:
             self._check_same_weights(handle.version, committed)
+        if canary is not None:
+            self.check_canary(handle.version, canary, committed)
         if flush:
             self.flush_cache()
         return EpochReport(
             version=handle.version, bytes=self._plan.total_bytes, seconds=seconds,
             broadcast_seconds=stats.seconds,
             workers=tuple(WorkerReport(w.endpoint.instance_id, m.seconds, m.bytes_received,
-                                       m.weights_digest)
+                                       m.weights_digest,
+                                       canary.gap(m.canary) if canary else None,
+                                       m.canary.seconds if canary else None)
                           for w, m in zip(self._workers, committed)))
 
     def flush_cache(self, mode: PauseMode = PauseMode.WAIT) -> bool:
@@ -481,6 +500,29 @@ class Fleet:
                                               Reason.JOIN_TIMEOUT,
                                               "no JOINED in time"))
         return failures
+
+    def check_canary(self, version: int, canary: Canary,
+                     committed: Sequence[pb.UpdateWeightsResponse]) -> None:
+        """Raise CanaryMismatchError naming every engine whose canary log-probabilities are
+        farther than `canary.tolerance` from the trainer's (or missing), with every engine's
+        gap; `committed` is one COMMITTED per worker, in fleet order."""
+        gaps = {w.endpoint.instance_id: canary.gap(m.canary)
+                for w, m in zip(self._workers, committed)}
+        odd = []
+        for w, m in zip(self._workers, committed):
+            gap = gaps[w.endpoint.instance_id]
+            if gap <= canary.tolerance:
+                continue
+            why = (f"no canary computed: {m.canary.error}" if m.canary.error
+                   else f"log-probabilities {gap:.3g} from the trainer's at worst "
+                        f"(tolerance {canary.tolerance:g})")
+            odd.append(WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
+                                     grpc.StatusCode.DATA_LOSS, Reason.CANARY_MISMATCH,
+                                     f"version {version}: {why}"))
+        if odd:
+            raise CanaryMismatchError(
+                f"epoch {version}: engines compute other log-probabilities than the trainer's; "
+                "left paused, not flushed", odd, gaps=gaps)
 
     def _check_same_weights(self, version: int,
                             committed: Sequence[pb.UpdateWeightsResponse]) -> None:

@@ -24,10 +24,12 @@ the sender packs them like any tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from refit_grpc.canary import Canary, default_tolerance, teacher_forced_logprobs
 
 # Names of fused expert tensors as transformers >= 5 holds them in memory (no `.weight`).
 FUSED_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_proj",
@@ -53,6 +55,31 @@ def checkpoint_state_dict(model: Any, state_dict: Mapping[str, torch.Tensor] | N
     tensors = dict(model.state_dict() if state_dict is None else state_dict)
     reverted = revert_weight_conversion(model, tensors)
     return {name: t.detach() for name, t in reverted.items()}
+
+
+def canary_from_model(model: Any, token_ids: Sequence[int],
+                      tolerance: float | None = None) -> Canary:
+    """A logprob canary (`Fleet.refit(..., canary=)`) from the trainer's own forward.
+
+    Args:
+        model: a transformers causal LM holding the weights about to be sent.
+        token_ids: the sequence (2 to 4096 ids of the model's vocabulary).
+        tolerance: the largest |engine - trainer| allowed; default by the model's dtype
+            (`refit_grpc.canary.default_tolerance`: 2e-3 float32, 2e-2 bfloat16/float16).
+    Returns:
+        The Canary, with the model's log-probabilities of `token_ids`.
+    """
+    ids = torch.tensor([list(token_ids)])
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits[0]
+    finally:
+        model.train(was_training)
+    dtype = next(model.parameters()).dtype
+    return Canary(tuple(token_ids), tuple(teacher_forced_logprobs(logits, token_ids)),
+                  default_tolerance(dtype) if tolerance is None else tolerance)
 
 
 def fused_expert_hint(names: Iterable[str]) -> str:

@@ -103,6 +103,14 @@ class _StateCollector:
         yield GaugeMetricFamily("refit_shim_weight_version",
                                 "the last committed weight version (0: none yet)",
                                 value=self.servicer.weight_version)
+        canary_version, canary_gap = self.servicer.last_canary
+        yield GaugeMetricFamily("refit_shim_canary_gap",
+                                "max |engine - trainer| log-probability of the last canary "
+                                "(-1: none ran, or it carried no expectation)",
+                                value=canary_gap if canary_version else -1.0)
+        yield GaugeMetricFamily("refit_shim_canary_version",
+                                "the version the last canary ran at (0: none)",
+                                value=canary_version)
         info = GaugeMetricFamily("refit_shim_info", "this shim", labels=["instance_id", "engine"])
         info.add_metric([self.servicer.config.instance_id, self.engine_kind], 1.0)
         yield info

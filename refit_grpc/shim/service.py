@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from refit_grpc.canary import canary_problem
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
     EngineUnavailableError,
@@ -81,6 +82,7 @@ class _Epoch:
     version: int
     deadline: Deadline
     verify_weights: bool = False
+    canary: pb.Canary | None = None  # computed after the commit, before COMMITTED
     bytes_applied: int = 0
     abort_reason: str = ""
 
@@ -98,6 +100,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._last_error = ""
         self._busy: Busy | None = None
         self._epoch: _Epoch | None = None
+        self._last_canary: tuple[int, float] = (0, -1.0)  # (version, max_abs_gap) of the last
         self._join_deadline: Deadline | None = None
         self._shutting_down = False
 
@@ -148,6 +151,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     def weight_version(self) -> int:
         return self._version
 
+    @property
+    def last_canary(self) -> tuple[int, float]:
+        """(version, max_abs_gap) of the last canary; (0, -1.0) when none ran."""
+        with self._lock:
+            return self._last_canary
+
     # --- RPCs ------------------------------------------------------------------------------
 
     def Describe(self, request, context):
@@ -167,6 +176,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 paused=status.paused,
                 engine_healthy=status.healthy,
                 rank_offset=self._group.rank if self._group else -1,
+                last_canary_version=self._last_canary[0],
+                last_canary_gap=self._last_canary[1],
             )
 
     def Prepare(self, request, context):
@@ -254,6 +265,16 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     f"this shim is {self.config.instance_id!r}, the epoch was opened for "
                     f"{request.instance_id!r} (restarted since InitCollective)",
                     reason=Reason.MEMBERSHIP_CHANGED)
+            canary = request.canary if request.HasField("canary") else None
+            if canary is not None:
+                problem = canary_problem(canary.token_ids, canary.expected_logprobs)
+                if problem:
+                    raise InvalidArgumentError(f"canary: {problem}",
+                                               reason=Reason.INVALID_CANARY)
+                if not self.engine.supports_canary:
+                    raise FailedPreconditionError(
+                        f"the {self.engine.kind} engine cannot compute a canary; open the epoch "
+                        "without one", reason=Reason.CANARY_UNSUPPORTED)
             with self._lock:
                 self._refuse_state("UpdateWeights", [pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
                 if self._busy:
@@ -271,7 +292,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     raise FailedPreconditionError(
                         f"group_id {request.group_id!r} != joined {self._group.group_id!r}",
                         reason=Reason.GROUP_MISMATCH)
-                epoch = _Epoch(request.version, deadline, request.verify_weights)
+                epoch = _Epoch(request.version, deadline, request.verify_weights, canary)
                 self._epoch = epoch
                 self._busy = Busy.EPOCH
             # A caller that goes away (trainer crash) cancels the receive; the deadline is the
@@ -315,20 +336,23 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                             bytes_received=epoch.bytes_applied,
                             seconds=time.monotonic() - t_accept)
                         continue
-                    digest = value
+                    digest, canary_result = value
                     break
                 with self._lock:
                     deadline.check("commit")  # an Abort that raced the last bucket wins
                     self._version = request.version
                     self._weights_intact = True
                     self._last_error = ""
+                    if canary_result is not None:
+                        self._last_canary = (request.version, canary_result.max_abs_gap)
                     committed = True
                 log.info("committed version %d (%d bytes, %.3fs)", request.version,
                          plan.total_bytes, time.monotonic() - t_accept)
                 yield pb.UpdateWeightsResponse(
                     phase=pb.UPDATE_WEIGHTS_PHASE_COMMITTED, version=request.version,
                     bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
-                    seconds=time.monotonic() - t_accept, weights_digest=digest)
+                    seconds=time.monotonic() - t_accept, weights_digest=digest,
+                    canary=canary_result)
             finally:
                 if not committed:
                     deadline.cancel.set()
@@ -354,7 +378,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             digest = self.engine.finish(epoch.version, epoch.deadline)
             if epoch.verify_weights and not digest:
                 digest = self.engine.weights_digest(epoch.deadline)
-            events.put((ReceiveEvent.DONE, digest))
+            canary = self._run_canary(epoch.canary, epoch.deadline) if epoch.canary else None
+            events.put((ReceiveEvent.DONE, (digest, canary)))
         except BaseException as e:  # relayed to the handler thread, which owns the status
             if epoch.deadline.cancel.is_set() and epoch.deadline.remaining() > 0:
                 # Whatever the teardown made the receive trip over, the cause is the abort.
@@ -366,6 +391,31 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 e = EpochAbortedError(f"receive failed: {type(e).__name__}: {e}",
                                       reason=Reason.RECEIVE_FAILED)
             events.put((ReceiveEvent.ERROR, e))
+
+    def _run_canary(self, canary: pb.Canary, deadline: Deadline) -> pb.CanaryResult:
+        """The engine's log-probabilities of the canary, with the weights just committed and
+        before it serves again. A failure to compute them is reported, not raised: the weights
+        are whole and committed; the driver decides (it names the engine and keeps the fleet
+        paused)."""
+        t0 = time.monotonic()
+        try:
+            logprobs = self.engine.canary_logprobs(list(canary.token_ids), deadline)
+        except Exception as e:  # noqa: BLE001  (any engine failure is the canary's result)
+            log.warning("canary failed: %s", e)
+            return pb.CanaryResult(max_abs_gap=-1.0, seconds=time.monotonic() - t0,
+                                   error=f"{type(e).__name__}: {e}")
+        gap = -1.0
+        expected = canary.expected_logprobs
+        if expected:
+            if len(logprobs) != len(expected):
+                return pb.CanaryResult(max_abs_gap=-1.0, seconds=time.monotonic() - t0,
+                                       error=f"engine computed {len(logprobs)} positions, "
+                                             f"expected {len(expected)}")
+            gap = max(abs(a - b) for a, b in zip(logprobs, expected))
+        seconds = time.monotonic() - t0
+        log.info("canary: %d positions in %.3fs, max gap %s", len(logprobs), seconds,
+                 f"{gap:.2e}" if gap >= 0 else "(no expectation)")
+        return pb.CanaryResult(logprobs=logprobs, max_abs_gap=gap, seconds=seconds)
 
     def Flush(self, request, context):
         with status_on_error(context):

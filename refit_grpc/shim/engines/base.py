@@ -13,13 +13,13 @@ its own shared state with its own lock.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
-from refit_grpc.errors import InvalidArgumentError
+from refit_grpc.errors import FailedPreconditionError, InvalidArgumentError
 from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
 
@@ -106,6 +106,19 @@ class Engine(ABC):
         """A digest of the weights as the engine holds them (reads every byte); "" where the
         engine cannot compute one. Engines holding the same weights give the same digest."""
         return self.status(with_digest=True).weights_digest
+
+    @property
+    def supports_canary(self) -> bool:
+        """Whether `canary_logprobs` works; the shim refuses an epoch with a canary before
+        ACCEPTED (CANARY_UNSUPPORTED) when it does not, so no weights move for nothing."""
+        return False
+
+    def canary_logprobs(self, token_ids: Sequence[int], deadline: Deadline) -> list[float]:
+        """log P(token_ids[i] | token_ids[:i]) for i = 1 .. n-1 with the weights just
+        committed, computed before the engine serves again (the shim calls it right after
+        `finish`, while the engine is still paused). Raises a RefitError where it cannot."""
+        raise FailedPreconditionError(f"the {self.kind} engine cannot compute a canary",
+                                      reason=Reason.CANARY_UNSUPPORTED)
 
     @abstractmethod
     def abort_transfer(self) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from refit_grpc.canary import teacher_forced_logprobs
 from refit_grpc.collective import Group, copy_bytes, receive
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
@@ -220,6 +221,28 @@ class ReferenceEngine(Engine):
             return tokens[len(prompt):], cached
         finally:
             self._gate.leave()
+
+    @property
+    def supports_canary(self) -> bool:
+        return self._model is not None
+
+    def canary_logprobs(self, token_ids: Sequence[int], deadline: Deadline) -> list[float]:
+        """One forward of the model over the whole sequence; the pause gate is not entered:
+        the shim asks while the engine is paused, before any request is served."""
+        if self._model is None:
+            return super().canary_logprobs(token_ids, deadline)
+        cfg = self._model.cfg
+        if any(not 0 <= t < cfg.vocab_size for t in token_ids):
+            raise InvalidArgumentError(f"canary tokens must be in [0, {cfg.vocab_size})",
+                                       reason=Reason.INVALID_CANARY)
+        if len(token_ids) > cfg.max_positions:
+            raise InvalidArgumentError(f"canary of {len(token_ids)} tokens is longer than the "
+                                       f"model's {cfg.max_positions} positions",
+                                       reason=Reason.INVALID_CANARY)
+        deadline.check("canary")
+        with torch.no_grad():
+            logits = self._model(torch.tensor([list(token_ids)]))[0]
+        return teacher_forced_logprobs(logits, token_ids)
 
     # --- weight transfer -------------------------------------------------------------------
 

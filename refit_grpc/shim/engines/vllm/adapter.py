@@ -42,7 +42,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
@@ -101,6 +101,7 @@ class VLLMEngine(Engine):
         self._touched = False         # weights may differ from the last committed version
         self._shutdown_thread: threading.Thread | None = None
         self._checkpoint: CheckpointIndex | None = None
+        self._model_name: str | None = None  # /v1/models id, for the canary's request
 
     # --- the engine interface --------------------------------------------------------------
 
@@ -293,6 +294,46 @@ class VLLMEngine(Engine):
         thread = self._shutdown_thread
         if thread is not None:
             thread.join(min(self.request_timeout_s, 5.0))
+
+    # --- the canary ------------------------------------------------------------------------
+
+    @property
+    def supports_canary(self) -> bool:
+        return True
+
+    def canary_logprobs(self, token_ids: Sequence[int], deadline: Deadline) -> list[float]:
+        """vLLM's own teacher-forced numbers (`prompt_logprobs` of /v1/completions).
+
+        vLLM's scheduler admits no request while paused, so the canary needs one window of
+        service: resume, one prompt_logprobs request, pause again (KEEP, caches cleared).
+        Requests queued meanwhile may be scheduled in that window, on weights the canary has
+        not yet approved (docs/vllm.md, The canary: the window and how a staged flip closes
+        it). The shim asks only after a commit, so the weights are whole either way."""
+        self.resume(deadline)
+        try:
+            body = self._http.call("POST", "/v1/completions", deadline, what="canary", body={
+                "model": self._served_model(deadline), "prompt": list(token_ids),
+                "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1})
+        finally:
+            self.pause(PauseMode.KEEP, deadline)
+        try:
+            entries = body["choices"][0]["prompt_logprobs"]
+            return [float(entry[str(tok)]["logprob"])
+                    for entry, tok in zip(entries[1:], token_ids[1:], strict=True)]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise RefitError(f"canary: vLLM's prompt_logprobs unreadable ({type(e).__name__}: "
+                             f"{e})", reason=Reason.ENGINE_ERROR) from e
+
+    def _served_model(self, deadline: Deadline) -> str:
+        if self._model_name is None:
+            body = self._http.call("GET", "/v1/models", deadline, what="models",
+                                   cap_s=self.status_timeout_s)
+            try:
+                self._model_name = str(body["data"][0]["id"])
+            except (KeyError, IndexError, TypeError) as e:
+                raise RefitError(f"canary: vLLM's /v1/models names no model ({e})",
+                                 reason=Reason.ENGINE_ERROR) from e
+        return self._model_name
 
     # --- extras for trainers, tests and the demo -------------------------------------------
 
