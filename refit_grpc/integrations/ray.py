@@ -41,6 +41,7 @@ refusal then costs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import logging
@@ -72,7 +73,8 @@ _OUTCOME_MARGIN_S = 30.0
 _WATCH_POLL_S = 0.01
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4096)
+# Ray's typed overloads of remote() know task options only, not an actor's max_concurrency.
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4096)  # type: ignore[call-overload]
 class _Outcomes:
     """One pending outcome per key. `wait(key)` is the task behind one ObjectRef: it returns the
     value, or raises the error, that the channel's process `settle`s under the key; the two may
@@ -166,11 +168,11 @@ class RefitChannel:
         self.control_timeout_s = control_timeout_s
         self.validate_workers = validate_workers
         self.pause_mode = pause_mode
-        self._options = {"engine_world_size": engine_world_size,
-                         "control_timeout_s": control_timeout_s,
-                         "join_timeout_s": join_timeout_s, "epoch_timeout_s": epoch_timeout_s,
-                         "packing": packing, "backend": backend, "pause_mode": pause_mode,
-                         "security": security}
+        self._options: dict[str, Any] = {
+            "engine_world_size": engine_world_size, "control_timeout_s": control_timeout_s,
+            "join_timeout_s": join_timeout_s, "epoch_timeout_s": epoch_timeout_s,
+            "packing": packing, "backend": backend, "pause_mode": pause_mode,
+            "security": security}
         self._session = uuid.uuid4().hex[:12]
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -252,7 +254,7 @@ class RefitChannel:
             key = self._key()
             refs.append(actor.wait.remote(key, f"init_collective on {worker.instance_id}",
                                           timeout_s))
-            future.add_done_callback(lambda f, key=key: _settle_future(actor, key, f))
+            future.add_done_callback(functools.partial(_settle_future, actor, key))
         return refs
 
     def update_weights(self, version: int | None = None) -> list[ray.ObjectRef]:
@@ -344,7 +346,8 @@ class RefitChannel:
     def _actor(self):
         with self._lock:
             if self._outcomes is None:
-                self._outcomes = _Outcomes.remote()
+                # An ActorClass at runtime; mypy keeps a decorated class's own type.
+                self._outcomes = _Outcomes.remote()  # type: ignore[attr-defined]
             return self._outcomes
 
     def _key(self) -> str:

@@ -63,10 +63,13 @@ class ForkedShim:
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        pid = self.process.pid
+        if pid is None:
+            raise RuntimeError(f"shim {self.instance_id}: its process was never started")
+        return pid
 
     def signal(self, signum: int) -> None:
-        os.kill(self.process.pid, signum)
+        os.kill(self.pid, signum)
 
     def wait(self, timeout_s: float) -> int | None:
         """The exit code (negative: killed by that signal), or None if still running."""
