@@ -59,10 +59,12 @@ PROTO_BASELINE := protos/baseline.binpb
 proto-baseline: $(STAMP)
 	$(VENV)/bin/buf build -o $(PROTO_BASELINE)
 
+# mypy checks refit_grpc/ as Python 3.11, the floor ([tool.mypy] in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/buf breaking --against $(PROTO_BASELINE)
 	$(VENV)/bin/ruff check refit_grpc tests
+	$(VENV)/bin/mypy
 	$(VENV)/bin/hadolint docker/Dockerfile docker/Dockerfile.vllm
 
 test: proto lint vllm dynamo
