@@ -27,6 +27,7 @@ session as not verified by this project (docs/vllm.md, Mixture of experts).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,10 @@ import torch
 log = logging.getLogger("vllm.refit_grpc")
 
 _UNQUANTIZED = "UnquantizedFusedMoEMethod"  # vLLM 0.31 and 0.32 name it the same
+# Set to 0 in an engine's environment to turn the fix off: vLLM's own behaviour, wrong experts
+# after a refit. For diagnosis and for the test that proves the logprob canary catches it
+# (tests/test_vllm_families.py); never in production.
+DISABLE_ENV = "REFIT_GRPC_MOE_REPROCESS"
 
 
 class ExpertsReprocessing:
@@ -42,6 +47,10 @@ class ExpertsReprocessing:
 
     def __init__(self, model: torch.nn.Module):
         self._wrapped: list[Any] = []  # the quant methods whose instance attribute we set
+        if os.environ.get(DISABLE_ENV, "1") == "0":
+            log.warning("refit_grpc gloo: %s=0: MoE experts are NOT re-processed after a "
+                        "refit (vLLM's own behaviour: wrong outputs)", DISABLE_ENV)
+            return
         seen: set[int] = set()
         others: set[str] = set()
         for module in model.modules():
