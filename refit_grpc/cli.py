@@ -27,7 +27,7 @@ def _shim(args: argparse.Namespace) -> int:
         check_exposure,
     )
     from refit_grpc.shim.engines import create_engine
-    from refit_grpc.shim.process import READY_PREFIX
+    from refit_grpc.shim.process import METRICS_PREFIX, READY_PREFIX
     from refit_grpc.shim.server import ServerOptions, ShimServer
     from refit_grpc.shim.service import ShimConfig
 
@@ -87,10 +87,9 @@ def _shim(args: argparse.Namespace) -> int:
                                       metrics_address=args.metrics_address),
                         credentials=tls.credentials() if tls else None,
                         interceptors=(TokenAuthInterceptor(tokens),) if tokens else ()).start()
+    # Parent processes (demo, tests) read these lines to learn the ports (0 binds a free one).
     if server.metrics is not None:
-        print(f"refit-grpc shim metrics on http://{server.metrics.address}/metrics",
-              file=sys.stderr, flush=True)
-    # Parent processes (demo, tests) read this line to learn the port.
+        print(f"{METRICS_PREFIX}http://{server.metrics.address}/metrics", flush=True)
     print(f"{READY_PREFIX}{server.address} {server.servicer.config.instance_id}", flush=True)
     server.serve_until_signal()
     return 0

@@ -56,8 +56,14 @@ class Group:
         self._closed = threading.Event()  # set by close(): pending waits give up
 
     @classmethod
-    def join(cls, spec: GroupSpec, timeout_s: float) -> Group:
-        """Rendezvous; blocks until every rank has joined or `timeout_s` passes."""
+    def join(cls, spec: GroupSpec, timeout_s: float, *,
+             store: dist.TCPStore | None = None) -> Group:
+        """Rendezvous; blocks until every rank has joined or `timeout_s` passes.
+
+        Rank 0 may pass the master `store` it already listens with (`bind_master_store`, on
+        `spec.master_port`): the port is then bound before any peer is told of it."""
+        if store is not None and spec.rank != 0:
+            raise InvalidArgumentError("only rank 0 hosts the store", reason=Reason.INVALID_RANK)
         spec.validate()
         # Checked here, not in validate(): a shim may pass an nccl spec on to an engine whose
         # workers (elsewhere, with GPUs) do the joining.
@@ -73,9 +79,12 @@ class Group:
                 # the deadline, and give the store and the group only what is left.
                 _wait_for_listener(spec.master_address, spec.master_port, end, timeout_s)
             timeout = datetime.timedelta(seconds=max(end - time.monotonic(), 0.001))
-            store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size,
-                                  is_master=spec.rank == 0, timeout=timeout,
-                                  wait_for_workers=False)
+            if store is None:
+                store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size,
+                                      is_master=spec.rank == 0, timeout=timeout,
+                                      wait_for_workers=False)
+            else:
+                store.set_timeout(timeout)
             prefixed = dist.PrefixStore(f"refit_grpc/{spec.group_id}", store)
             timeout = datetime.timedelta(seconds=max(end - time.monotonic(), 0.001))
             pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
@@ -174,6 +183,25 @@ def join_reapers(timeout_s: float = 30.0) -> None:
         reapers = list(_reapers)
     for r in reapers:
         r.join(max(end - time.monotonic(), 0))
+
+
+def bind_master_store(address: str, port: int, world_size: int,
+                      timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening before any peer is told where: with `port` 0 the
+    kernel picks a free port as the store binds it (`store.port` says which), so no port is
+    picked, found free, and taken by another process before the store binds it (EADDRINUSE).
+    Pass it to `Group.join(spec, timeout_s, store=store)` with `spec.master_port = store.port`.
+    Peers connect to `address` (the store listens on every interface, as torch's does)."""
+    if not 0 <= port < 65536:
+        raise InvalidArgumentError(f"master_port {port} out of range",
+                                   reason=Reason.INVALID_MASTER_PORT)
+    try:
+        return dist.TCPStore(address, port, world_size, is_master=True,
+                             timeout=datetime.timedelta(seconds=max(timeout_s, 0.001)),
+                             wait_for_workers=False)
+    except (RuntimeError, dist.DistStoreError) as e:
+        raise CollectiveError(f"rendezvous store at {address}:{port} could not listen: "
+                              f"{str(e)[:300]}", reason=Reason.RENDEZVOUS_FAILED) from e
 
 
 def set_store_key(host: str, port: int, key: str, timeout_s: float) -> bool:

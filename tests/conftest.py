@@ -9,7 +9,7 @@ from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.process import ShimProcess, spawn_shim
 from refit_grpc.shim.service import ShimConfig
 
-from support import InProcessShim, ReadyShim, start_ready_shim
+from support import InProcessShim, ReadyShim, start_ready_shim, unused_port
 
 
 @pytest.fixture
@@ -24,6 +24,14 @@ def shim():
     yield make
     for s in made:
         s.close()
+
+
+@pytest.fixture
+def closed_port():
+    """A loopback port where nothing listens, held for the test: connects are refused, and no
+    other process can take it meanwhile (a port picked free could be bound by anyone)."""
+    with unused_port() as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

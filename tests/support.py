@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from refit_grpc import Fleet, PauseMode
-from refit_grpc.collective import Group, Sender
+from refit_grpc.collective import Group, Sender, bind_master_store
 from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.driver.epoch import EpochHandle
 from refit_grpc.driver.links import TrainerLink
@@ -24,11 +24,11 @@ from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.server import ServerOptions, ShimServer
 from refit_grpc.shim.service import ShimConfig
-from refit_grpc.testing.ports import free_port
+from refit_grpc.testing.ports import unused_port
 
 __all__ = ["Epoch", "InProcessShim", "ReadyShim", "describe", "describe_or_none", "fleet_mid_epoch",
-           "free_port", "full_epoch", "info", "join", "join_trainer", "prepare_request",
-           "start_ready_shim", "tensors_v"]
+           "full_epoch", "info", "join", "join_trainer", "prepare_request", "start_ready_shim",
+           "tensors_v", "unused_port"]
 
 
 # --- plans and Describe -----------------------------------------------------------------------
@@ -78,20 +78,24 @@ class InProcessShim:
         self.server.stop(1)
 
 
-def join_trainer(port: int, world_size: int, group_id: str, timeout_s: float = 20.0):
-    """Join as trainer rank 0 on a thread; returns (thread, box) where box['group'] is the Group."""
+def join_trainer(world_size: int, group_id: str, timeout_s: float = 20.0):
+    """Bind trainer rank 0's store on a port the kernel picks, then join on a thread; returns
+    (port, thread, box) where box['group'] is the Group. The store listens before this returns,
+    so the port can be handed to the other ranks at once."""
+    store = bind_master_store("127.0.0.1", 0, world_size, timeout_s)
+    port = store.port
     box: dict = {}
 
     def run() -> None:
         try:
             box["group"] = Group.join(GroupSpec("127.0.0.1", port, world_size, 0, "gloo",
-                                                group_id), timeout_s)
+                                                group_id), timeout_s, store=store)
         except Exception as e:  # noqa: BLE001  (the test asserts on it)
             box["error"] = e
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    return t, box
+    return port, t, box
 
 
 def tensors_v(version: int) -> dict[str, torch.Tensor]:
@@ -112,8 +116,7 @@ def prepare_request(tensors: Mapping[str, torch.Tensor],
 
 def join(sh: InProcessShim, digest: str, group_id: str = "g1") -> Group:
     """Join the shim (rank 1) and this test as trainer rank 0; returns the trainer's Group."""
-    port = free_port()
-    t, box = join_trainer(port, 2, group_id)
+    port, t, box = join_trainer(2, group_id)
     phases = [m.phase for m in sh.stub.InitCollective(pb.InitCollectiveRequest(
         master_address="127.0.0.1", master_port=port, world_size=2, rank_offset=1,
         backend=pb.BACKEND_GLOO, group_id=group_id, plan_digest=digest), timeout=20)]
@@ -191,7 +194,7 @@ def fleet_mid_epoch(fleet: Fleet, tensors: Mapping[str, torch.Tensor], version: 
     `version - 1` first when given), then open epoch `version` and return once every shim said
     ACCEPTED: each is paused and about to receive, and no byte of the epoch has moved."""
     fleet.prepare(info(tensors))
-    link = fleet.connect("127.0.0.1", free_port())
+    link = fleet.connect("127.0.0.1")
     if committed is not None:
         fleet.refit(link, committed, version=version - 1)
     handle = fleet.update_weights(version, mode)

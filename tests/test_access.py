@@ -15,7 +15,7 @@ from refit_grpc import ChannelSecurity, Fleet, Packing, WorkerEndpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.proto import pb, pb_grpc
 
-from support import free_port, info
+from support import info
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -115,7 +115,7 @@ def test_a_whole_epoch_over_mtls_and_token(secure_shim, pki):
     with Fleet([WorkerEndpoint(secure_shim.instance_id, secure_shim.address)],
                packing=Packing(1024, 2), security=_security(pki)) as fleet:
         fleet.prepare(info(weights))
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         assert fleet.refit(link, weights, version=1).version == 1
         link.close()
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from refit_grpc import EpochFailedError, Fleet, Packing, PauseMode, RefitError, WorkerEndpoint
-from refit_grpc.collective import Group, Sender, receive
+from refit_grpc.collective import Group, Sender, bind_master_store, receive
 from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.plan import RefitPlan, weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 
-from support import fleet_mid_epoch, free_port, info
+from support import fleet_mid_epoch, info
 
 BUCKET = 16 * 1024
 
@@ -67,10 +67,11 @@ def _transfer(engine: ReferenceEngine, tensors: dict[str, torch.Tensor], plan: R
 
 
 def _joined_pair(plan: RefitPlan, engine: ReferenceEngine) -> Group:
-    port = free_port()
+    store = bind_master_store("127.0.0.1", 0, 2, 20)
+    port = store.port
     box: dict = {}
     joiner = threading.Thread(target=lambda: box.update(g=Group.join(
-        GroupSpec("127.0.0.1", port, 2, 0, "gloo", "dp"), 20)))
+        GroupSpec("127.0.0.1", port, 2, 0, "gloo", "dp"), 20, store=store)))
     joiner.start()
     engine.init_transfer(GroupSpec("127.0.0.1", port, 2, 1, "gloo", "dp"), plan, Deadline(20))
     joiner.join(20)
@@ -156,10 +157,11 @@ def test_a_misaligned_plan_falls_back_to_copies_and_stays_exact():
 
 def test_receive_buffers_are_reused_per_group_and_sized_by_the_largest_bucket():
     plan = RefitPlan.from_state_dict_info(info(aligned_tensors(1)), Packing(BUCKET, 2))
-    port = free_port()
+    store = bind_master_store("127.0.0.1", 0, 2, 20)
+    port = store.port
     box: dict = {}
     joiner = threading.Thread(target=lambda: box.update(g=Group.join(
-        GroupSpec("127.0.0.1", port, 2, 0, "gloo", "bufs"), 20)))
+        GroupSpec("127.0.0.1", port, 2, 0, "gloo", "bufs"), 20, store=store)))
     joiner.start()
     group = Group.join(GroupSpec("127.0.0.1", port, 2, 1, "gloo", "bufs"), 20)
     joiner.join(20)
@@ -178,10 +180,11 @@ def test_no_op_apply_sees_every_byte_when_nothing_lands_in_place():
     """The plain receive loop (no `land`) hands every bucket's exact bytes to `apply`."""
     tensors = aligned_tensors(4)
     plan = RefitPlan.from_state_dict_info(info(tensors), Packing(BUCKET, 2))
-    port = free_port()
+    store = bind_master_store("127.0.0.1", 0, 2, 20)
+    port = store.port
     box: dict = {}
     joiner = threading.Thread(target=lambda: box.update(g=Group.join(
-        GroupSpec("127.0.0.1", port, 2, 0, "gloo", "plain"), 20)))
+        GroupSpec("127.0.0.1", port, 2, 0, "gloo", "plain"), 20, store=store)))
     joiner.start()
     group = Group.join(GroupSpec("127.0.0.1", port, 2, 1, "gloo", "plain"), 20)
     joiner.join(20)
@@ -231,7 +234,7 @@ def test_refit_right_after_an_aborted_one_is_byte_exact(shim_procs):
         with pytest.raises(EpochFailedError):
             handle.result(timeout_s=10)
         assert {d.state for d in fleet.describe()} == {pb.SHIM_STATE_BROKEN}
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         final = aligned_tensors(3)
         fleet.refit(link, final, version=3)
         want = weights_digest((s.name, final[s.name]) for s in plan.tensors)

@@ -22,9 +22,7 @@ import pytest
 import yaml
 
 from refit_grpc.proto import pb, pb_grpc
-from refit_grpc.shim.process import READY_PREFIX
-
-from support import free_port
+from refit_grpc.shim.process import METRICS_PREFIX, READY_PREFIX
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 BIN = Path(sys.executable).parent
@@ -45,7 +43,8 @@ def instructions(dockerfile: Path) -> dict[str, list[str]]:
 
 
 def local(argv: list[str], port: int) -> list[str]:
-    """The image's command with this environment's executables and a free port."""
+    """The image's command with this environment's executables and another port (0: the shim
+    binds a free one and prints it)."""
     exe = str(BIN / argv[0]) if (BIN / argv[0]).exists() else argv[0]
     return [exe, *(a.replace("50051", str(port)) for a in argv[1:])]
 
@@ -53,6 +52,19 @@ def local(argv: list[str], port: int) -> list[str]:
 def start(cmd: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env})
+
+
+def ports_of(shim: subprocess.Popen) -> tuple[int, int | None]:
+    """The ports a shim started on port 0 bound: (gRPC, metrics or None), from its stdout."""
+    assert shim.stdout is not None
+    metrics = None
+    for line in shim.stdout:
+        if line.startswith(METRICS_PREFIX):
+            metrics = int(line.rstrip().removesuffix("/metrics").rsplit(":", 1)[1])
+            continue
+        assert line.startswith(READY_PREFIX), line + shim.stderr.read()
+        return int(line[len(READY_PREFIX):].split()[0].rsplit(":", 1)[1]), metrics
+    raise AssertionError(f"the shim exited before serving: {shim.stderr.read()}")
 
 
 def test_dockerfiles_lint_clean():
@@ -65,9 +77,8 @@ def test_dockerfiles_lint_clean():
 
 def test_the_shim_image_refuses_to_listen_without_credentials_and_serves_with_a_token():
     ins = instructions(DOCKER / "Dockerfile")
-    port = free_port()
-    cmd = local(ins["ENTRYPOINT"] + ins["CMD"], port)
-    assert f"0.0.0.0:{port}" in cmd
+    cmd = local(ins["ENTRYPOINT"] + ins["CMD"], 0)
+    assert "0.0.0.0:0" in cmd
 
     env = {k: v for k, v in os.environ.items() if k != "REFIT_GRPC_TOKEN"}
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
@@ -76,8 +87,7 @@ def test_the_shim_image_refuses_to_listen_without_credentials_and_serves_with_a_
 
     shim = start(cmd, {"REFIT_GRPC_TOKEN": "s3cret"})
     try:
-        line = shim.stdout.readline()
-        assert line.startswith(READY_PREFIX), line + shim.stderr.read()
+        port, _ = ports_of(shim)
         health = subprocess.run(local(ins["HEALTHCHECK"], port), capture_output=True, text=True,
                                 timeout=60)
         assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
@@ -101,23 +111,22 @@ def test_the_shim_image_refuses_to_listen_without_credentials_and_serves_with_a_
             shim.wait(10)
 
 
-def test_the_compose_shim_command_runs_and_reports_its_engine_missing():
+def test_the_compose_shim_command_runs_and_reports_its_engine_missing(closed_port):
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     shim_service = compose["services"]["shim"]
     entry = instructions(DOCKER / "Dockerfile")["ENTRYPOINT"]
-    port = free_port()
-    engine_port = free_port()  # nothing listens there: the engine is "down"
-    metrics_port = free_port()
-    args = [a.replace("0.0.0.0:50051", f"0.0.0.0:{port}")
+    engine_port = closed_port  # nothing listens there: the engine is "down"
+    # Port 0 for the shim and its metrics: it binds free ones and prints them.
+    args = [a.replace("0.0.0.0:50051", "0.0.0.0:0")
              .replace("127.0.0.1:8000", f"127.0.0.1:{engine_port}")
-             .replace("127.0.0.1:9464", f"127.0.0.1:{metrics_port}")
+             .replace("127.0.0.1:9464", "127.0.0.1:0")
             for a in shim_service["command"]]
-    assert f"127.0.0.1:{metrics_port}" in args  # the compose file serves metrics on loopback
-    shim = start(local(entry, port) + args,
+    assert "127.0.0.1:0" in args  # the compose file serves metrics on loopback
+    shim = start(local(entry, 0) + args,
                  {"REFIT_GRPC_TOKEN": "t", "REFIT_GRPC_ALLOW_MASTER": "10.0.0.0/8"})
     try:
-        line = shim.stdout.readline()
-        assert line.startswith(READY_PREFIX), line + shim.stderr.read()
+        port, metrics_port = ports_of(shim)
+        assert metrics_port, "the compose file serves metrics"
         health = subprocess.run(local(["refit-grpc", "health", f"127.0.0.1:{port}"], port),
                                 capture_output=True, text=True, timeout=60)
         assert health.returncode == 1 and "NOT_SERVING" in health.stdout, health

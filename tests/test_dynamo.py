@@ -49,7 +49,7 @@ from refit_grpc.testing.dynamo import (  # noqa: E402
     frontend_logprobs,
     measure_refit_cycles,
 )
-from refit_grpc.testing.ports import free_port  # noqa: E402
+from refit_grpc.testing.ports import unused_port  # noqa: E402
 from refit_grpc.testing.vllm import PROMPT, hf_greedy  # noqa: E402
 
 from vllm_support.truth import (  # noqa: E402
@@ -235,7 +235,7 @@ def test_two_dynamo_workers_refit_three_trained_versions_to_transformers_log_pro
     try:
         plan = fleet.prepare(info(rig.model.state_dict()))
         assert len(plan.buckets) > 1
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         before = [rig.logprobs(i) for i in range(2)]
         try:
             for _ in range(3):
@@ -342,9 +342,10 @@ def test_a_join_is_bounded_below_dynamos_init_timeout_and_the_worker_lives_on(ri
     try:
         fleet.prepare(info(rig.weights[1]))
         t0 = time.monotonic()
-        (future,) = fleet.init_collective("127.0.0.1", free_port(), 2, train_world_size=1)
-        with pytest.raises(FleetError) as failed:
-            future.result(60)
+        with unused_port() as nobody:  # where the trainer would listen, and never does
+            (future,) = fleet.init_collective("127.0.0.1", nobody, 2, train_world_size=1)
+            with pytest.raises(FleetError) as failed:
+                future.result(60)
         took = time.monotonic() - t0
         (d,) = fleet.describe()
     finally:
@@ -417,14 +418,14 @@ def test_a_worker_killed_mid_receive_fails_typed_and_broken_then_discovery_refus
     wait_health(victim_shim.address, health_pb2.HealthCheckResponse.SERVING, 20)
     link = None
     with pytest.raises(MembershipChangedError):
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
     if link is not None:
         link.close()
     fleet.close()
     fleet = rig.fleet()
     try:
         fleet.prepare(info(weights))
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         try:
             report = fleet.refit(link, weights, version=version + 1)
         finally:
@@ -457,9 +458,10 @@ def test_a_join_that_outlives_dynamos_limit_is_typed_and_the_shim_reports_the_wo
     try:
         fleet.prepare(info(rig.weights[1]))
         t0 = time.monotonic()
-        (future,) = fleet.init_collective("127.0.0.1", free_port(), 2, train_world_size=1)
-        with pytest.raises(FleetError) as failed:
-            future.result(60)
+        with unused_port() as nobody:  # where the trainer would listen, and never does
+            (future,) = fleet.init_collective("127.0.0.1", nobody, 2, train_world_size=1)
+            with pytest.raises(FleetError) as failed:
+                future.result(60)
         took = time.monotonic() - t0
     finally:
         fleet.close()

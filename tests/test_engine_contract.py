@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.engines.vllm import VLLMEngine
 
 from dynamo_support import require_dynamo
-from support import free_port, info, join_trainer
+from support import info, join_trainer
 from vllm_support import require_vllm, tiny_model_dir
 from vllm_support.servers import ServerPool
 
@@ -208,9 +209,8 @@ class Joined:
 def form_group(engine: Engine, plan: RefitPlan) -> Joined:
     """The engine joins as rank 1 of a world of 2 (init_transfer), the trainer as rank 0 on a
     thread; returns once both are in."""
-    port = free_port()
-    group_id = f"contract-{port}"
-    thread, box = join_trainer(port, 2, group_id, timeout_s=STEP_S)
+    group_id = f"contract-{uuid.uuid4().hex[:8]}"
+    port, thread, box = join_trainer(2, group_id, timeout_s=STEP_S)
     spec = GroupSpec("127.0.0.1", port, 2, 1, "gloo", group_id)
     try:
         engine.init_transfer(spec, plan, Deadline(STEP_S))

@@ -29,7 +29,7 @@ from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.testing.forked_shims import ShimForkServer
 
-from support import describe_or_none, fleet_mid_epoch, free_port, info, tensors_v
+from support import describe_or_none, fleet_mid_epoch, info, tensors_v
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def recover_and_check(fleet: Fleet, version: int) -> float:
     t0 = time.monotonic()
     weights = big_weights(version)
     plan = fleet.prepare(info(weights))
-    link = fleet.connect("127.0.0.1", free_port())
+    link = fleet.connect("127.0.0.1")
     fleet.refit(link, weights, version=version)
     link.close()
     want = weights_digest((s.name, weights[s.name]) for s in plan.tensors)
@@ -136,7 +136,7 @@ def test_shim_killed_just_before_an_epoch_is_named():
                        packing=Packing(4096, 2), epoch_timeout_s=10,
                        control_timeout_s=5) as fleet:
                 fleet.prepare(info(weights))
-                link = fleet.connect("127.0.0.1", free_port())
+                link = fleet.connect("127.0.0.1")
                 victim.signal(signal.SIGKILL)
                 time.sleep(delay)
                 started = time.monotonic()
@@ -218,7 +218,7 @@ def test_dead_shim_named_when_its_answer_comes_last(shim_procs):
         with Fleet(endpoints, packing=Packing(4096, 2), epoch_timeout_s=10,
                    control_timeout_s=5) as fleet:
             fleet.prepare(info(weights))
-            link = fleet.connect("127.0.0.1", free_port())
+            link = fleet.connect("127.0.0.1")
             shims[0].signal(signal.SIGKILL)
             shims[0].proc.wait(5)
             with pytest.raises(EpochRefusedError) as e:
@@ -269,13 +269,12 @@ def test_shim_frozen_longer_than_the_deadline(shim_procs):
 TRAINER = """
 import sys, time, torch
 from refit_grpc import Fleet, Packing, WorkerEndpoint
-from refit_grpc.testing.ports import free_port
 addresses = sys.argv[1:]
 w = {f"layer.{i}": torch.randn(256 * 1024) for i in range(64)}
 fleet = Fleet([WorkerEndpoint(f"w{i}", a) for i, a in enumerate(addresses)],
               packing=Packing(1 << 20, 2), epoch_timeout_s=60)
 fleet.prepare({n: (t.shape, t.dtype) for n, t in w.items()})
-link = fleet.connect("127.0.0.1", free_port())
+link = fleet.connect("127.0.0.1")
 print("connected", flush=True)
 v = 0
 while True:
@@ -327,7 +326,7 @@ def test_a_thousand_concurrent_describes_during_an_epoch(shim_procs):
     with Fleet([WorkerEndpoint("w0", shim.address)], packing=Packing(BUCKET, 2),
                epoch_timeout_s=30) as fleet, grpc.insecure_channel(shim.address) as ch:
         fleet.prepare(info(weights))
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         fleet.refit(link, weights, version=1)
         stub = pb_grpc.RefitServiceStub(ch)
         rss_before = _rss_mb(shim.pid)

@@ -18,7 +18,7 @@ from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 
-from support import describe, fleet_mid_epoch, free_port, info, tensors_v
+from support import describe, fleet_mid_epoch, info, tensors_v
 
 BUFFER = 8 * 1024
 
@@ -55,7 +55,7 @@ def test_fleet_of_four_refits_three_versions_byte_exact(shim_procs):
         plan = fleet.prepare(info(mixed_tensors(1)))
         assert len(plan.tensors) == 2010 and len(plan.buckets) >= 3
         assert any(b.nbytes > BUFFER for b in plan.buckets)
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         for version in (1, 2, 3):
             tensors = mixed_tensors(version)
             report = fleet.refit(link, tensors, version=version)
@@ -76,16 +76,16 @@ def test_one_refusal_aborts_the_epoch_before_any_byte(shim_procs):
     with Fleet(endpoints, packing=Packing(BUFFER, 2), epoch_timeout_s=30) as fleet, \
             Fleet(endpoints[:1], packing=Packing(BUFFER, 2), epoch_timeout_s=30) as solo:
         fleet.prepare(info(t1))
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         fleet.refit(link, t1, version=1)
         link.close()
         # Worker 0 alone moves to version 10, so it will call version 2 stale.
         solo.prepare(info(t1))
-        solo_link = solo.connect("127.0.0.1", free_port())
+        solo_link = solo.connect("127.0.0.1")
         solo.refit(solo_link, t2, version=10)
         solo_link.close()
 
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         before = [d.weights_digest for d in fleet.describe()]
         t0 = time.monotonic()
         with pytest.raises(EpochRefusedError) as e:
@@ -104,7 +104,7 @@ def test_one_refusal_aborts_the_epoch_before_any_byte(shim_procs):
         assert [d.weight_version for d in described] == [10, 1, 1]
 
         # The whole epoch re-runs with a version everyone accepts.
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         report = fleet.refit(link, t2, version=11)
         assert report.version == 11
         assert len({d.weights_digest for d in fleet.describe()}) == 1
@@ -118,7 +118,7 @@ def test_restarted_worker_is_refused_by_membership_check(shim_procs):
     t1 = mixed_tensors(1)
     with Fleet(endpoints, packing=Packing(BUFFER, 2), epoch_timeout_s=30) as fleet:
         fleet.prepare(info(t1))
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         fleet.refit(link, t1, version=1)
         shims[1].stop()
         replacement = shim_procs("--model", "none", "--address", shims[1].address)
@@ -134,7 +134,7 @@ def test_restarted_worker_is_refused_by_membership_check(shim_procs):
         link.close()
 
 
-def test_validate_workers_hook_is_consulted(shim):
+def test_validate_workers_hook_is_consulted(shim, closed_port):
     calls = []
 
     def validate(md):
@@ -147,7 +147,7 @@ def test_validate_workers_hook_is_consulted(shim):
         fleet.prepare(info(tensors_v(1)))  # a real plan on a real shim: past prepare()
         assert not calls  # the hook guards the group, not the plan
         with pytest.raises(MembershipChangedError):
-            fleet.init_collective("127.0.0.1", free_port(), 2, train_world_size=1)
+            fleet.init_collective("127.0.0.1", closed_port, 2, train_world_size=1)
         assert calls == [[{"instance_id": "a", "address": sh.address}]]
         assert sh.describe().state == pb.SHIM_STATE_PREPARED  # refused before any shim joined
 

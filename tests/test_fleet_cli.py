@@ -14,7 +14,6 @@ import torch
 
 from refit_grpc import Fleet, Packing, WorkerEndpoint, cli
 from refit_grpc.testing.pki import make_pki
-from refit_grpc.testing.ports import free_port
 
 TOKEN = "fleet-cli-token"
 
@@ -41,7 +40,7 @@ def fleet_of_three(shim_procs, tmp_path):
     with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims[:2]],
                packing=Packing(512, 2)) as fleet:
         plan = fleet.prepare({n: (t.shape, t.dtype) for n, t in weights.items()})
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         fleet.refit(link, weights, version=1)
         link.close()
     workers_file = tmp_path / "workers"
@@ -100,10 +99,10 @@ def test_status_flush_abort_with_a_killed_worker(fleet_of_three):
     assert (w0["state"], w0["group"], w0["last_error"]) == ("PREPARED", "", "aborted: drill")
 
 
-def test_watch_repeats_until_interrupted(shim_procs):
+def test_watch_repeats_until_interrupted(shim_procs, closed_port):
     shim = shim_procs("--model", "none")
-    # Nothing listens on the second address: a worker that is gone.
-    flags = ["--worker", f"gone=127.0.0.1:{free_port('127.0.0.1')}", "--worker", f"up={shim.address}"]
+    # Nothing listens on the first address: a worker that is gone.
+    flags = ["--worker", f"gone=127.0.0.1:{closed_port}", "--worker", f"up={shim.address}"]
     proc = subprocess.Popen([sys.executable, "-m", "refit_grpc.cli", "fleet", "status", "--json",
                              "--watch", "0.2", *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -18,7 +18,6 @@ from refit_grpc.shim.auth import TokenAuthInterceptor
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.server import ServerOptions, ShimServer
 from refit_grpc.shim.service import ShimConfig
-from refit_grpc.testing.ports import free_port
 
 BUFFER = 4096
 UPDATE = "refit_grpc.v1.RefitService/UpdateWeights"
@@ -50,8 +49,10 @@ def state_of(samples) -> str:
 
 
 def test_an_epoch_moves_the_numbers_while_it_runs_and_after(shim_procs):
-    metrics = f"127.0.0.1:{free_port('127.0.0.1')}"
-    shim = shim_procs("--model", "none", "--instance-id", "m0", "--metrics-address", metrics)
+    shim = shim_procs("--model", "none", "--instance-id", "m0",
+                      "--metrics-address", "127.0.0.1:0")
+    metrics = shim.metrics_address
+    assert metrics and metrics.startswith("127.0.0.1:") and not metrics.endswith(":0"), metrics
     before = scrape(metrics)
     assert state_of(before) == "EMPTY"
     assert value(before, "refit_shim_weight_version") == 0
@@ -65,7 +66,7 @@ def test_an_epoch_moves_the_numbers_while_it_runs_and_after(shim_procs):
                epoch_timeout_s=60) as fleet:
         plan = fleet.prepare({n: (t.shape, t.dtype) for n, t in t1.items()})
         assert len(plan.buckets) >= 4
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         assert state_of(scrape(metrics)) == "READY"
         fleet.refit(link, t1, version=1)
 
@@ -166,6 +167,6 @@ def test_metrics_address_policy(shim_procs):
                          text=True, timeout=120)
     assert bad.returncode != 0 and "expected HOST:PORT or PORT" in bad.stderr, bad.stderr
 
-    port = free_port("127.0.0.1")
-    shim_procs("--model", "none", "--metrics-address", str(port))  # a port alone: loopback
-    assert state_of(scrape(f"127.0.0.1:{port}")) == "EMPTY"
+    alone = shim_procs("--model", "none", "--metrics-address", "0")  # a port alone: loopback
+    assert alone.metrics_address and alone.metrics_address.startswith("127.0.0.1:")
+    assert state_of(scrape(alone.metrics_address)) == "EMPTY"

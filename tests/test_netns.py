@@ -47,7 +47,6 @@ from refit_grpc.driver.links import GlooLink
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.shim.process import READY_PREFIX, ShimProcess
-from refit_grpc.testing.ports import free_port
 
 from support import describe, info
 
@@ -348,7 +347,7 @@ def _run_phases(fleet: Fleet, net: Net, shims: list[NetnsShim], token: str,
     assert len(plan.buckets) >= 20 and plan.total_bytes > 4 << 20
 
     # 1. A healthy epoch across the hosts, byte-exact.
-    link = fleet.connect(net.master, free_port())
+    link = fleet.connect(net.master)
     links.append(link)
     report = fleet.refit(link, t1, version=1)
     print(f"[netns] healthy epoch: {plan.total_bytes} bytes in {len(plan.buckets)} buckets, "
@@ -432,7 +431,7 @@ def _run_phases(fleet: Fleet, net: Net, shims: list[NetnsShim], token: str,
 
     # 5. Re-form the group and run a full epoch: every host READY, byte-exact.
     t_reconnect = time.monotonic()
-    link = fleet.connect(net.master, free_port())
+    link = fleet.connect(net.master)
     links.append(link)
     t3 = _weights(3)
     report = fleet.refit(link, t3, version=3)

@@ -18,7 +18,7 @@ from refit_grpc.proto import pb, ref_pb, ref_pb_grpc
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.service import ShimConfig
 
-from support import Epoch, free_port, full_epoch, join, prepare_request, tensors_v
+from support import Epoch, full_epoch, join, prepare_request, tensors_v
 
 S = pb.ShimState
 
@@ -45,10 +45,10 @@ def test_describe_when_empty(shim):
     assert d.engine_healthy and not d.paused and d.weights_digest
 
 
-def test_calls_in_the_wrong_state_are_refused(shim):
+def test_calls_in_the_wrong_state_are_refused(shim, closed_port):
     sh = shim(ReferenceEngine(model=None))
     assert refused(lambda: sh.stub.InitCollective(pb.InitCollectiveRequest(
-        master_address="127.0.0.1", master_port=free_port(), world_size=2, rank_offset=1,
+        master_address="127.0.0.1", master_port=closed_port, world_size=2, rank_offset=1,
         backend=pb.BACKEND_GLOO, group_id="g", plan_digest="x"), timeout=5)) == \
         (grpc.StatusCode.FAILED_PRECONDITION, "WRONG_STATE")
     assert refused(lambda: sh.stub.UpdateWeights(pb.UpdateWeightsRequest(
@@ -91,12 +91,12 @@ def test_model_engine_refuses_a_plan_it_cannot_load(shim):
         (grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_TENSOR")
 
 
-def test_init_collective_validation(shim):
+def test_init_collective_validation(shim, closed_port):
     sh = shim(ReferenceEngine(model=None), ShimConfig(allowed_master_networks=("127.0.0.0/8",)))
     digest = sh.stub.Prepare(prepare_request(tensors_v(1)), timeout=5).plan_digest
 
     def init(**kw):
-        fields = dict(master_address="127.0.0.1", master_port=free_port(), world_size=2,
+        fields = dict(master_address="127.0.0.1", master_port=closed_port, world_size=2,
                       rank_offset=1, backend=pb.BACKEND_GLOO, group_id="g", plan_digest=digest)
         fields.update(kw)
         return refused(lambda: sh.stub.InitCollective(pb.InitCollectiveRequest(**fields),
@@ -118,20 +118,20 @@ def test_init_collective_validation(shim):
         msgs = []
         with pytest.raises(grpc.RpcError) as e:
             msgs.extend(sh.stub.InitCollective(pb.InitCollectiveRequest(
-                master_address="127.0.0.1", master_port=free_port(), world_size=2,
+                master_address="127.0.0.1", master_port=closed_port, world_size=2,
                 rank_offset=1, backend=pb.BACKEND_NCCL, group_id="g", plan_digest=digest),
                 timeout=5))
         assert msgs == [] and reason_of(e.value) == (bad, "BACKEND_UNAVAILABLE")
     assert sh.describe().state == S.SHIM_STATE_PREPARED
 
 
-def test_join_times_out_when_the_trainer_never_comes(shim):
+def test_join_times_out_when_the_trainer_never_comes(shim, closed_port):
     sh = shim(ReferenceEngine(model=None))
     digest = sh.stub.Prepare(prepare_request(tensors_v(1)), timeout=5).plan_digest
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         list(sh.stub.InitCollective(pb.InitCollectiveRequest(
-            master_address="127.0.0.1", master_port=free_port(), world_size=2, rank_offset=1,
+            master_address="127.0.0.1", master_port=closed_port, world_size=2, rank_offset=1,
             backend=pb.BACKEND_GLOO, group_id="g", plan_digest=digest), timeout=2))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - t0 < 6

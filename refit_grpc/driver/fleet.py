@@ -17,6 +17,7 @@ epoch is aborted fleet-wide and must be re-run as a whole (connect, then refit).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -28,9 +29,10 @@ from typing import Any
 import grpc
 import tenacity
 import torch
+from torch.distributed import TCPStore
 
 from refit_grpc.canary import Canary
-from refit_grpc.collective import Group
+from refit_grpc.collective import Group, bind_master_store
 from refit_grpc.common import GroupSpec, PauseMode
 from refit_grpc.driver.endpoint import ChannelSecurity, WorkerEndpoint
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback, WorkerLink
@@ -215,9 +217,19 @@ class Fleet:
 
         `group_id` names the group (its store prefix, what every rank joins under); by default
         a fresh random one per call. A caller that passes its own must keep it unique per
-        formation (docs/protocol.md, "Group names")."""
+        formation (docs/protocol.md, "Group names").
+
+        `port` is where the trainer's rank 0 store already listens, or will: shims retry until
+        it does, within the join deadline. To leave no window between picking a port and
+        binding it, bind first (`collective.bind_master_store(ip, 0, ...)`, then `store.port`);
+        `connect()` does that itself."""
         if group_id is not None and not group_id:
             raise InvalidArgumentError("group_id is empty", reason=Reason.INVALID_GROUP_ID)
+        if not 0 < port < 65536:
+            raise InvalidArgumentError(
+                f"master_port {port} out of range: init_collective needs the port the trainer's "
+                "store listens on (connect() binds one itself with port 0)",
+                reason=Reason.INVALID_MASTER_PORT)
         if self._plan is None:
             raise RuntimeError("prepare() must be called before init_collective()")
         if world_size != train_world_size + self.inference_world_size:
@@ -251,11 +263,15 @@ class Fleet:
             raise FleetError("InitCollective ended without JOINED", [])
         return last
 
-    def connect(self, ip: str, port: int, *, train_world_size: int = 1,
+    def connect(self, ip: str, port: int = 0, *, train_world_size: int = 1,
                 device: torch.device | int | None = None) -> TrainerLink:
         """Form the group: every shim joins (InitCollective) and this process joins as trainer
         rank 0, through the project's own group (gloo) or vLLM's NCCL rendezvous (nccl; `device`
-        is the GPU to send from)."""
+        is the GPU to send from).
+
+        This process's rendezvous store listens on `port` before any shim is told where; with
+        0, the default, the kernel picks a free port as the store binds it, so no other process
+        can take it in between. The link reports the port (`link.port`)."""
         if train_world_size != 1:
             raise InvalidArgumentError("connect() joins as the only trainer rank; with several "
                                        "trainer ranks call init_collective() and join each rank")
@@ -266,18 +282,33 @@ class Fleet:
         if self._plan is None:
             raise RuntimeError("prepare() must be called before connect()")
         world = train_world_size + self.inference_world_size
-        futures = self.init_collective(ip, port, world, train_world_size=train_world_size)
         plan = self._plan
-        try:
-            if self.backend == "nccl":
-                from refit_grpc.driver.nccl import NcclLink, NcclSender
+        # This process's end of the rendezvous listens before any shim is told where.
+        store: TCPStore | None = None
+        listener: socket.socket | None = None
+        if self.backend == "nccl":
+            from refit_grpc.driver.nccl import NcclLink, NcclSender, listen
 
-                link: TrainerLink = NcclLink(NcclSender.connect(ip, port, world, plan,
-                                                                self.join_timeout_s, device))
+            listener = listen(ip, port)  # vLLM's store takes it over
+            port = listener.getsockname()[1]
+        else:
+            store = bind_master_store(ip, port, world, self.join_timeout_s)
+            port = store.port
+        try:
+            futures = self.init_collective(ip, port, world, train_world_size=train_world_size)
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            raise
+        try:
+            if listener is not None:
+                link: TrainerLink = NcclLink(NcclSender.connect(
+                    ip, port, world, plan, self.join_timeout_s, device, listen_socket=listener),
+                    port)
             else:
                 link = GlooLink(Group.join(GroupSpec(ip, port, world, 0, self.backend,
                                                      self._group_id or ""),
-                                           self.join_timeout_s), plan)
+                                           self.join_timeout_s, store=store), plan)
         except RefitError as e:
             self.abort("trainer failed to join")
             failures = self._collect(futures, 5.0)

@@ -40,6 +40,11 @@ class TrainerLink(Protocol):
     @property
     def sender(self) -> BucketSender: ...
 
+    @property
+    def port(self) -> int:
+        """The port this process's rendezvous store listened on (the one the shims were sent;
+        the kernel's pick when `Fleet.connect` was given 0)."""
+
     def close(self) -> None:
         """Tear the group down; peers' pending receives fail at once. Never blocks."""
 
@@ -54,6 +59,10 @@ class GlooLink:
 
     def __post_init__(self) -> None:
         self.sender = Sender(self.group, self.plan)
+
+    @property
+    def port(self) -> int:
+        return self.group.spec.master_port
 
     def close(self) -> None:
         self.group.close()

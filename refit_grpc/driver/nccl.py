@@ -18,7 +18,7 @@ for this path only):
 With a `Fleet(backend="nccl")` of shims in front of vLLM engines started with
 `--weight-transfer-config '{"backend": "nccl"}'`, `Fleet.connect` joins through this module:
 
-    link = fleet.connect(my_ip, free_port)       # shims join (InitCollective), trainer joins
+    link = fleet.connect(my_ip)                  # shims join (InitCollective), trainer joins
     fleet.refit(link, model.state_dict())        # same epochs, deadlines and aborts as gloo
 
 Every wait is bounded: the rendezvous runs on a helper thread joined with the join deadline, and
@@ -28,6 +28,7 @@ communicator is aborted (`ncclCommAbort`), which fails the peers' pending collec
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,14 +54,38 @@ UNIQUE_ID_KEY = "broadcast_from/0/0"
 _POLL_S = 0.002
 
 
-def open_rendezvous(master_address: str, master_port: int, world_size: int, timeout_s: float):
+def listen(master_address: str, port: int = 0) -> socket.socket:
+    """Rank 0's store listener, bound before any worker is told the port: with 0 the kernel
+    picks a free one as it binds (`getsockname()[1]`), so no other process can take it between
+    a pick and the bind. Bound as vLLM's `StatelessProcessGroup.create` binds its own, and
+    handed to it (`open_rendezvous(..., listen_socket=)`), whose store takes it over."""
+    if not 0 <= port < 65536:
+        raise InvalidArgumentError(f"master_port {port} out of range",
+                                   reason=Reason.INVALID_MASTER_PORT)
+    sock = socket.socket(socket.AF_INET6 if ":" in master_address else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((master_address, port))
+        sock.listen()
+    except OSError as e:
+        sock.close()
+        raise CollectiveError(f"NCCL rendezvous store at {master_address}:{port} could not "
+                              f"listen: {e}", reason=Reason.RENDEZVOUS_FAILED) from e
+    return sock
+
+
+def open_rendezvous(master_address: str, master_port: int, world_size: int, timeout_s: float,
+                    listen_socket: socket.socket | None = None):
     """Rank 0's `StatelessProcessGroup` (hosts the TCPStore; returns once every rank connected,
-    or raises after `timeout_s`). vLLM's own class, so keys and framing are vLLM's."""
+    or raises after `timeout_s`). vLLM's own class, so keys and framing are vLLM's. With
+    `listen_socket` (from `listen`), the store serves on it instead of binding `master_port`."""
     from vllm.distributed.utils import StatelessProcessGroup
 
+    extra = {"listen_socket": listen_socket} if listen_socket is not None else {}
     return StatelessProcessGroup.create(host=master_address, port=master_port, rank=0,
                                         world_size=world_size,
-                                        store_timeout=max(1, int(round(timeout_s))))
+                                        store_timeout=max(1, int(round(timeout_s))), **extra)
 
 
 class NcclSender:
@@ -83,8 +108,10 @@ class NcclSender:
 
     @classmethod
     def connect(cls, master_address: str, master_port: int, world_size: int, plan: RefitPlan,
-                timeout_s: float, device: torch.device | int | None = None) -> NcclSender:
-        """Join vLLM's NCCL rendezvous as rank 0; returns once the communicator is formed."""
+                timeout_s: float, device: torch.device | int | None = None, *,
+                listen_socket: socket.socket | None = None) -> NcclSender:
+        """Join vLLM's NCCL rendezvous as rank 0; returns once the communicator is formed.
+        `listen_socket`: the store's listener, already bound on `master_port` (`listen`)."""
         if not torch.cuda.is_available():
             raise InvalidArgumentError("vLLM's nccl backend needs CUDA in the trainer",
                                        reason=Reason.BACKEND_UNAVAILABLE)
@@ -97,7 +124,8 @@ class NcclSender:
                 from vllm.utils.nccl import unpinned_nccl_env
 
                 torch.cuda.set_device(dev)
-                pg = open_rendezvous(master_address, master_port, world_size, timeout_s)
+                pg = open_rendezvous(master_address, master_port, world_size, timeout_s,
+                                     listen_socket)
                 with unpinned_nccl_env():  # as vLLM's stateless_init_process_group does
                     box["comm"] = PyNcclCommunicator(pg, device=dev)
             except BaseException as e:  # noqa: BLE001  (re-raised typed on the caller's thread)
@@ -114,6 +142,8 @@ class NcclSender:
             raise RefitTimeoutError(f"NCCL rendezvous at {where} did not complete within "
                                     f"{timeout_s:.1f}s", reason=Reason.RENDEZVOUS_TIMEOUT)
         if "error" in box:
+            if listen_socket is not None:
+                listen_socket.close()  # a no-op once vLLM's store took it over
             e = box["error"]
             text = str(e)
             if "timeout" in text.lower() or "timed out" in text.lower():
@@ -186,6 +216,7 @@ class NcclLink:
     """What `Fleet.refit` broadcasts through for vLLM's nccl backend (a `TrainerLink`)."""
 
     sender: NcclSender
+    port: int = 0  # the port the rendezvous store listened on
 
     @property
     def plan(self) -> RefitPlan:

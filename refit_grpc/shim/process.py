@@ -12,6 +12,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+# The shim's stdout lines a parent reads to learn its ports (both bound on port 0 where asked):
+# the metrics line (only with --metrics-address; before the READY line), then the READY line.
+METRICS_PREFIX = "refit-grpc shim metrics on "
 READY_PREFIX = "refit-grpc shim serving on "
 
 
@@ -20,6 +23,7 @@ class ShimProcess:
     proc: subprocess.Popen
     address: str
     instance_id: str
+    metrics_address: str | None = None  # HOST:PORT of its metrics endpoint, when it serves one
 
     @property
     def pid(self) -> int:
@@ -53,7 +57,8 @@ def _die_with_parent() -> None:
 
 def spawn_shim(*args: str, timeout_s: float = 60.0, env: dict | None = None,
                stderr=None) -> ShimProcess:
-    """`refit-grpc shim ARGS --address 127.0.0.1:0`; returns once it prints its address.
+    """`refit-grpc shim ARGS --address 127.0.0.1:0`; returns once it prints its address (and,
+    with `--metrics-address HOST:0`, its metrics endpoint's: the shim binds both ports itself).
 
     A child started from the main thread is tied to this process's life. A shim that neither
     serves nor exits within `timeout_s` gets SIGUSR1 first (it dumps every thread's stack to its
@@ -71,13 +76,21 @@ def spawn_shim(*args: str, timeout_s: float = 60.0, env: dict | None = None,
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_read_until_ready, args=(proc.stdout, lines), daemon=True,
                      name=f"shim-stdout-{proc.pid}").start()
-    try:
-        line = lines.get(timeout=timeout_s)
-    except queue.Empty:
-        line = None
+    end = time.monotonic() + timeout_s
+    metrics_address = None
+    while True:
+        try:
+            line = lines.get(timeout=max(end - time.monotonic(), 0.001))
+        except queue.Empty:
+            line = None
+        if line and line.startswith(METRICS_PREFIX):
+            url = line[len(METRICS_PREFIX):].strip()
+            metrics_address = url.removeprefix("http://").removesuffix("/metrics")
+            continue
+        break
     if line:
         address, instance_id = line[len(READY_PREFIX):].split()
-        return ShimProcess(proc, address, instance_id)
+        return ShimProcess(proc, address, instance_id, metrics_address)
     if line == "":  # EOF: the shim exited (or closed stdout) without serving
         try:
             code = proc.wait(5)
@@ -94,8 +107,12 @@ def spawn_shim(*args: str, timeout_s: float = 60.0, env: dict | None = None,
 
 
 def _read_until_ready(stream, lines: queue.Queue) -> None:
-    """Hands over the READY line, or "" at EOF; anything else the shim prints is passed on."""
+    """Hands over the metrics and READY lines, or "" at EOF; anything else the shim prints is
+    passed on."""
     for line in stream:
+        if line.startswith(METRICS_PREFIX):
+            lines.put(line)
+            continue
         if line.startswith(READY_PREFIX):
             lines.put(line)
             return

@@ -104,6 +104,7 @@ class DynamoWorker(VLLMServer):
                          log_path or Path(tempfile.mkstemp(
             prefix="dynamo-worker-", suffix=".log")[1]), cpu_bind=cpu_bind,
             extra_args=extra_args)
+        self.own_port = system_port is None
         self.discovery_dir = str(discovery_dir)
         self.init_timeout_s = init_timeout_s
         self.extension = extension
@@ -130,6 +131,12 @@ class DynamoWorker(VLLMServer):
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         return env
 
+    def repick_ports(self) -> bool:
+        if not self.own_port:
+            return False
+        self.port = free_system_port()
+        return True
+
     def start(self) -> DynamoWorker:
         _spawn(self, self.command(), self.environment())
         return self
@@ -149,7 +156,15 @@ class DynamoFrontend(VLLMServer):
         super().__init__("-", port, log_path or Path(tempfile.mkstemp(
             prefix="dynamo-frontend-", suffix=".log")[1]))
         self.discovery_dir = str(discovery_dir)
+        self.own_rl_port = rl_port is None
         self.rl_port = rl_port or free_port()
+
+    def repick_ports(self) -> bool:
+        picked = super().repick_ports()
+        if self.own_rl_port:
+            self.rl_port = free_port()
+            picked = True
+        return picked
 
     @property
     def rl_url(self) -> str:
@@ -197,6 +212,7 @@ class DynamoFrontend(VLLMServer):
 
 
 def _spawn(server: VLLMServer, cmd: list[str], env: dict[str, str]) -> None:
+    server.mark_log()
     log = open(server.log_path, "ab")
     try:
         server.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -212,10 +228,11 @@ def _spawn(server: VLLMServer, cmd: list[str], env: dict[str, str]) -> None:
 
 def direct_group(system_url: str, plan, init_timeout_s: float = 20.0):
     """Form a gloo group with one worker by posting init_weights_update_group directly."""
-    from refit_grpc.collective import Group
+    from refit_grpc.collective import Group, bind_master_store
     from refit_grpc.common import GroupSpec
 
-    port = free_port()
+    store = bind_master_store("127.0.0.1", 0, 2, init_timeout_s)  # listening before it is used
+    port = store.port
     spec = GroupSpec("127.0.0.1", port, 2, 1, "gloo", f"direct-{port}")
     _post(system_url, dynamo_info.DESTROY_GROUP, dynamo_info.destroy_body())
     box: dict[str, Any] = {}
@@ -224,7 +241,7 @@ def direct_group(system_url: str, plan, init_timeout_s: float = 20.0):
         check=False)))
     init.start()
     group = Group.join(GroupSpec("127.0.0.1", port, 2, 0, "gloo", spec.group_id),
-                       init_timeout_s)
+                       init_timeout_s, store=store)
     init.join(init_timeout_s + 5)
     if (box.get("r") or {}).get("status") != "ok":
         group.close()
@@ -269,7 +286,7 @@ def measure_refit_cycles(system_url: str, fleet, plan, make_weights, first_versi
     version = first_version
     for arm in ("shim", "direct", "shim"):
         if arm == "shim":
-            link = fleet.connect("127.0.0.1", free_port())
+            link = fleet.connect("127.0.0.1")
             try:
                 for _ in range(reps):
                     weights = make_weights(version)

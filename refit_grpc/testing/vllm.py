@@ -126,6 +126,13 @@ def vllm_command(model_dir: str | os.PathLike, port: int, backend: str = "gloo",
             "--enable-prefix-caching", "--enable-prompt-tokens-details", *extra_args]
 
 
+# vLLM and Dynamo cannot bind port 0 and report the port they got, so a port picked here
+# (`free_port`) can be taken by another process before the server binds it: `wait_ready` then
+# starts the server again on new ports, this many times at most. A port the caller chose is
+# never changed.
+PORT_TAKEN_RETRIES = 3
+
+
 class VLLMServer:
     """One vLLM OpenAI server as a child process in its own process group (API server,
     EngineCore and worker), so stop() and kill() reach every process it started."""
@@ -134,6 +141,7 @@ class VLLMServer:
                  log_path: str | os.PathLike | None = None, *, cpu_bind: str | None = None,
                  backend: str = "gloo", extra_args: Sequence[str] = ()):
         self.model_dir = str(model_dir)
+        self.own_port = port is None  # picked here: wait_ready may pick another
         self.port = port or free_port()
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(
             prefix=f"vllm-{self.port}-", suffix=".log")[1])
@@ -152,6 +160,7 @@ class VLLMServer:
         env = {**os.environ, **VLLM_ENV}
         if self.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        self.mark_log()
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
@@ -163,10 +172,41 @@ class VLLMServer:
         self.started_at = time.monotonic()
         return self
 
+    def mark_log(self) -> None:
+        """Where this start's output begins in the log (`port_taken` reads from there)."""
+        try:
+            self._log_mark = self.log_path.stat().st_size
+        except OSError:
+            self._log_mark = 0
+
+    def port_taken(self) -> bool:
+        """Whether the last start ended on a port another process held (EADDRINUSE)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(getattr(self, "_log_mark", 0))
+                return b"address already in use" in f.read().lower()
+        except OSError:
+            return False
+
+    def repick_ports(self) -> bool:
+        """New ports for those picked here; False when the caller chose them all."""
+        if not self.own_port:
+            return False
+        self.port = free_port()
+        return True
+
     def wait_ready(self, timeout_s: float = 300.0) -> VLLMServer:
+        """Until /health answers 200. A start that ended on a port taken since it was picked
+        is started again on new ports (`PORT_TAKEN_RETRIES` times at most)."""
         end = time.monotonic() + timeout_s
+        retries = PORT_TAKEN_RETRIES
         while time.monotonic() < end:
             if self.proc is None or self.proc.poll() is not None:
+                if self.proc is not None and retries and self.port_taken() \
+                        and self.repick_ports():
+                    retries -= 1
+                    self.start()
+                    continue
                 raise RuntimeError(f"vLLM server on port {self.port} exited with "
                                    f"{self.proc.returncode if self.proc else None}:\n"
                                    f"{self.log_tail()}")
@@ -316,11 +356,12 @@ def direct_cycle(url: str, group, plan, tensors, version: int, timeout_s: float 
 
 def direct_group(url: str, plan):
     """Form a gloo group with the engine by posting /init_weight_transfer_engine directly."""
-    from refit_grpc.collective import Group
+    from refit_grpc.collective import Group, bind_master_store
     from refit_grpc.common import GroupSpec
     from refit_grpc.vllm_info import init_info_for
 
-    port = free_port()
+    store = bind_master_store("127.0.0.1", 0, 2, 30.0)  # listening before vLLM is told where
+    port = store.port
     spec = GroupSpec("127.0.0.1", port, 2, 1, "gloo", f"direct-{port}")
     http_json("POST", url, "/shutdown_weight_transfer_engine")
     box: dict[str, Any] = {}
@@ -328,7 +369,8 @@ def direct_group(url: str, plan):
         "POST", url, "/init_weight_transfer_engine",
         {"init_info": init_info_for(spec, plan, 30.0)})))
     init.start()
-    group = Group.join(GroupSpec("127.0.0.1", port, 2, 0, "gloo", spec.group_id), 30.0)
+    group = Group.join(GroupSpec("127.0.0.1", port, 2, 0, "gloo", spec.group_id), 30.0,
+                       store=store)
     init.join(30)
     if box.get("r", (None,))[0] != 200:
         group.close()
@@ -346,7 +388,7 @@ def measure_refit_cycles(url: str, fleet, plan, make_weights, first_version: int
     version = first_version
     for arm in ("shim", "direct", "shim"):
         if arm == "shim":
-            link = fleet.connect("127.0.0.1", free_port())
+            link = fleet.connect("127.0.0.1")
             try:
                 for _ in range(reps):
                     weights = make_weights(version)

@@ -31,12 +31,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from refit_grpc.collective import Group, Sender, receive
+from refit_grpc.collective import Group, Sender, bind_master_store, receive
 from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.driver import Fleet, WorkerEndpoint
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
 from refit_grpc.shim.process import spawn_shim
-from refit_grpc.testing.ports import free_port
 
 ARMS = ("floor", "per-tensor", "raw", "refit_grpc", "http")
 _TIMEOUT_S = 300.0
@@ -227,7 +226,10 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
         receivers: dict[str, list[int]] = {}
         bare = [a for a in ("floor", "per-tensor", "raw") if a in arms]
         if bare:
-            ports = {a: free_port() for a in ("floor", "per-tensor", "raw")}
+            # Rank 0's stores listen before the receivers are told where (ports the kernel picks).
+            stores = {a: bind_master_store("127.0.0.1", 0, world, _TIMEOUT_S)
+                      for a in ("floor", "per-tensor", "raw")}
+            ports = {a: s.port for a, s in stores.items()}
             bare_procs = [subprocess.Popen([sys.executable, "-c", (
                 "from refit_grpc.tools.bench import bare_receiver; "
                 f"bare_receiver({ports!r}, {world}, {r}, {workload!r}, {buffer_size_bytes}, "
@@ -235,7 +237,8 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                 for r in range(1, world)]
             procs += bare_procs
             groups = {a: Group.join(GroupSpec("127.0.0.1", ports[a], world, 0, "gloo", a),
-                                    _TIMEOUT_S) for a in ("floor", "per-tensor", "raw")}
+                                    _TIMEOUT_S, store=stores.pop(a))
+                      for a in ("floor", "per-tensor", "raw")}
             ack = torch.zeros(1)
             flat = torch.empty(plan.total_bytes, dtype=torch.uint8)
             offset = 0
@@ -269,7 +272,7 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
             fleet = Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
                           packing=packing, epoch_timeout_s=_TIMEOUT_S)
             fleet.prepare(plan.state_dict_info())
-            link = fleet.connect("127.0.0.1", free_port())
+            link = fleet.connect("127.0.0.1")
             runners["refit_grpc"] = lambda v: fleet.refit(link, weights, version=v, flush=False)
             receivers["refit_grpc"] = [s.pid for s in shims]
 
@@ -283,10 +286,11 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                 assert p.stdout is not None  # stdout=PIPE
                 http_ports.append(int(p.stdout.readline()))
             http = HttpFleet([f"http://127.0.0.1:{port}" for port in http_ports])
-            http_port = free_port()
+            http_store = bind_master_store("127.0.0.1", 0, world, _TIMEOUT_S)
+            http_port = http_store.port
             joins = http.init_collective(plan, http_port, world)
             http_group = Group.join(GroupSpec("127.0.0.1", http_port, world, 0, "gloo",
-                                              "http-bench"), _TIMEOUT_S)
+                                              "http-bench"), _TIMEOUT_S, store=http_store)
             for f in joins:
                 f.result(_TIMEOUT_S)
             http_sender = SeedSender(http_group, plan)

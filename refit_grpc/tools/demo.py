@@ -17,7 +17,6 @@ from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
 from refit_grpc.plan import Packing, weights_digest
 from refit_grpc.proto import ref_pb, ref_pb_grpc
 from refit_grpc.shim.process import ShimProcess, spawn_shim
-from refit_grpc.testing.ports import free_port
 
 PROMPT = [5, 17, 42, 9]
 
@@ -58,7 +57,7 @@ def run_demo(workers: int = 3, steps: int = 5, buffer_size_bytes: int = 256 * 10
                       packing=Packing(buffer_size_bytes, 2), control_timeout_s=30,
                       epoch_timeout_s=60)
         plan = fleet.prepare({n: (t.shape, t.dtype) for n, t in model.named_weights()})
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         print(f"plan {plan.digest[:12]}: {len(plan.tensors)} tensors, {plan.total_bytes} bytes, "
               f"{len(plan.buckets)} buckets; group of {1 + workers} formed", file=out, flush=True)
         for step in range(1, steps + 1):

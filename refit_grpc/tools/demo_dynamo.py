@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 from refit_grpc.testing.logprobs import SEQUENCE, hf_logprobs
-from refit_grpc.testing.ports import free_port
 from refit_grpc.testing.vllm import PROMPT, hf_greedy, load_hf_model, toy_batch
 
 TOL = 2e-3
@@ -93,7 +92,7 @@ def run_demo(steps: int = 3, train_steps: int = 5, gen_tokens: int = 8,
             ids = [int(e.instance_id) for e in fleet.endpoints]
             model = load_hf_model(model_dir)
             plan = fleet.prepare({n: (t.shape, t.dtype) for n, t in model.state_dict().items()})
-            link = fleet.connect("127.0.0.1", free_port())
+            link = fleet.connect("127.0.0.1")
             say(f"plan {plan.digest[:12]}: {len(plan.tensors)} tensors, {plan.total_bytes} bytes,"
                 f" {len(plan.buckets)} buckets; group of 3 formed")
             truth = hf_logprobs(model)

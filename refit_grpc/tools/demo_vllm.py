@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from refit_grpc.testing.ports import free_port
 from refit_grpc.testing.vllm import (
     PROMPT,
     VLLMServer,
@@ -71,7 +70,7 @@ def run_demo(engines: int = 2, steps: int = 3, train_steps: int = 5, gen_tokens:
                           control_timeout_s=30, join_timeout_s=60, epoch_timeout_s=120)
             model = load_hf_model(model_dir)
             plan = fleet.prepare({n: (t.shape, t.dtype) for n, t in model.state_dict().items()})
-            link = fleet.connect("127.0.0.1", free_port())
+            link = fleet.connect("127.0.0.1")
             say(f"plan {plan.digest[:12]}: {len(plan.tensors)} tensors, {plan.total_bytes} bytes,"
                 f" {len(plan.buckets)} buckets; group of {1 + engines} formed")
             before = [complete(s.url, PROMPT, gen_tokens)["token_ids"] for s in servers]
