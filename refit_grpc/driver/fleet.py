@@ -151,7 +151,7 @@ class Fleet:
     def __setstate__(self, state: dict) -> None:
         endpoints = state.pop("endpoints")
         packing = state.pop("packing")
-        self.__init__(endpoints, packing=packing, **state)
+        Fleet.__init__(self, endpoints, packing=packing, **state)
 
     @property
     def inference_world_size(self) -> int:
@@ -413,7 +413,7 @@ class Fleet:
         if flush:
             self.flush_cache()
         return EpochReport(
-            version=handle.version, bytes=self._plan.total_bytes, seconds=seconds,
+            version=handle.version, bytes=stats.bytes, seconds=seconds,
             broadcast_seconds=stats.seconds,
             workers=tuple(WorkerReport(w.endpoint.instance_id, m.seconds, m.bytes_received,
                                        m.weights_digest,
@@ -589,4 +589,4 @@ class Fleet:
             if len(current) != len(original) or changed:
                 raise MembershipChangedError(
                     "membership changed after collective setup: "
-                    + "; ".join(str(f) for f in changed or [current]))
+                    + ("; ".join(map(str, changed)) if changed else str(current)))
