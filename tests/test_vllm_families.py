@@ -14,8 +14,13 @@ Mixtral outright with a size mismatch. The trainer is transformers >= 5, which h
 in memory under names no checkpoint has: it sends `checkpoint_state_dict(model)`, and a plan with
 the fused names is refused at Prepare with a reason that names the call.
 
-One server per family, each reused across its versions; the next family's server boots while the
-current one is refit, so at most two run at once.
+Every version also carries the logprob canary (`Fleet.refit(canary=)`), which must pass; and the
+canary must catch the MoE bug itself: one more Qwen2-MoE server runs with the fix turned off
+(`REFIT_GRPC_MOE_REPROCESS=0`, vLLM's own behaviour), and its refit raises CanaryMismatchError
+naming the engine, left paused and not flushed, although every byte arrived.
+
+One server per family, each reused across its versions; the next server boots while the current
+one is refit, so at most two run at once.
 """
 
 from __future__ import annotations
@@ -31,13 +36,25 @@ require_vllm()
 
 pytestmark = pytest.mark.timeout(600)
 
-from refit_grpc import FleetError  # noqa: E402
-from refit_grpc.integrations.hf import checkpoint_state_dict  # noqa: E402
+from refit_grpc import CanaryMismatchError, FleetError  # noqa: E402
+from refit_grpc.integrations.hf import canary_from_model, checkpoint_state_dict  # noqa: E402
+from refit_grpc.proto import pb  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
+from refit_grpc.vllm_plugin.moe import DISABLE_ENV  # noqa: E402
 
-from vllm_support.truth import Rig, build_tiny, load_model, refit_versions  # noqa: E402
+from vllm_support.truth import (  # noqa: E402
+    FP32_TOL,
+    SEQUENCE,
+    Rig,
+    build_tiny,
+    load_model,
+    refit_versions,
+    sgd_step,
+)
 
 FAMILIES = ("phi3", "qwen2_moe", "mixtral", "qwen3_moe")
+UNFIXED = "qwen2_moe-unfixed"  # Qwen2-MoE in an engine without the fix
+ORDER = (*FAMILIES, UNFIXED)
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +65,21 @@ def rigs(tmp_path_factory):
         model_dir = build_tiny(family, tmp_path_factory.mktemp(family) / family,
                                tiny_model_dir(), seed=seed)
         rigs[family] = Rig(pool, family, model_dir)
+    rigs[UNFIXED] = Rig(pool, UNFIXED, rigs["qwen2_moe"].model_dir, env={DISABLE_ENV: "0"})
     yield rigs
     survivors = [pid for r in rigs.values() for pid in r.close()]
     survivors += pool.stop_all()
     assert not survivors, f"vLLM processes outlived the module: {survivors}"
 
 
-def _ready(rigs, family: str) -> Rig:
-    """This family's rig, ready; the next family's server starts booting meanwhile."""
-    i = FAMILIES.index(family)
-    rig = rigs[family]
+def _ready(rigs, name: str) -> Rig:
+    """This rig, ready; the next one's server starts booting meanwhile."""
+    i = ORDER.index(name)
+    rig = rigs[name]
     if rig.server is None:
         rig.start()
-    if i + 1 < len(FAMILIES) and rigs[FAMILIES[i + 1]].server is None:
-        rigs[FAMILIES[i + 1]].start()
+    if i + 1 < len(ORDER) and rigs[ORDER[i + 1]].server is None:
+        rigs[ORDER[i + 1]].start()
     return rig.ready()
 
 
@@ -85,3 +103,24 @@ def test_family_refits_to_the_trainers_log_probabilities(rigs, family):
         n: t.contiguous().clone() for n, t in checkpoint_state_dict(m).items()})
     print(f"{family}: gaps after each version {[f'{g:.1e}' for g in gaps]}")
     assert rigs[family].close() == []
+
+
+def test_the_canary_catches_the_moe_bug_no_digest_can_see(rigs):
+    """The engine without the fix receives every byte and commits; only what it computes is
+    wrong (measured 0.02-0.05 before the fix), which the canary sees. Named, left paused."""
+    rig = _ready(rigs, UNFIXED)
+    model = load_model(rig.model_dir)
+    sgd_step(model, 0.5, torch.Generator().manual_seed(20))
+    tensors = {n: t.contiguous().clone() for n, t in checkpoint_state_dict(model).items()}
+    canary = canary_from_model(model, SEQUENCE, FP32_TOL)
+    with pytest.raises(CanaryMismatchError) as caught:
+        rig.refit(tensors, 1, canary=canary)
+    (failure,) = caught.value.failures
+    gap = caught.value.gaps[UNFIXED]
+    print(f"{UNFIXED}: canary gap {gap:.3f} (tolerance {FP32_TOL})")
+    assert failure.instance_id == UNFIXED and failure.reason == Reason.CANARY_MISMATCH, failure
+    assert gap > 10 * FP32_TOL, gap
+    (d,) = rig.fleet.describe(weights_digest=False)
+    assert (d.state, d.weight_version) == (pb.SHIM_STATE_READY, 1), d  # every byte arrived
+    assert d.paused and d.last_canary_gap > 10 * FP32_TOL, d  # not flushed: serves nothing
+    assert rigs[UNFIXED].close() == []

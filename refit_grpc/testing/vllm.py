@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +139,10 @@ class VLLMServer:
 
     def __init__(self, model_dir: str | os.PathLike, port: int | None = None,
                  log_path: str | os.PathLike | None = None, *, cpu_bind: str | None = None,
-                 backend: str = "gloo", extra_args: Sequence[str] = ()):
+                 backend: str = "gloo", extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None):
         self.model_dir = str(model_dir)
+        self.env = dict(env or {})  # on top of VLLM_ENV
         self.own_port = port is None  # picked here: wait_ready may pick another
         self.port = port or free_port()
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(
@@ -157,7 +159,7 @@ class VLLMServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VLLMServer:
-        env = {**os.environ, **VLLM_ENV}
+        env = {**os.environ, **VLLM_ENV, **self.env}
         if self.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         self.mark_log()

@@ -244,6 +244,10 @@ class LayerwiseReceiver:
 
         watcher = (_AbortWatcher(self._store(info), update_info.abort_key, deadline.cancel)
                    if update_info.abort_key else None)
+        # An operator reading the engine's log sees each rank enter the receive (and the
+        # TP-worker fault test waits for this line before it kills a rank mid-receive).
+        log.info("refit_grpc gloo: rank %d receiving %d buckets, %d bytes", self.rank,
+                 len(plan.buckets), plan.total_bytes)
         try:
             with disable_mtp_completeness_check():
                 stats = receive(group, plan, deadline, apply)

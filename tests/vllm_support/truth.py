@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from refit_grpc.integrations.hf import canary_from_model
 from refit_grpc.proto import pb
 from refit_grpc.testing.logprobs import SEQUENCE, hf_logprobs  # noqa: F401  (re-exported)
 from refit_grpc.testing.vllm import (
@@ -159,8 +160,15 @@ class Rig:
     teardown proves no process of it survived."""
 
     def __init__(self, pool, name: str, model_dir: Path, dtype: str = "float32",
-                 buffer_size_bytes: int = 256 * 1024, epoch_timeout_s: float = 60.0):
+                 buffer_size_bytes: int = 256 * 1024, epoch_timeout_s: float = 60.0,
+                 env: dict[str, str] | None = None, tensor_parallel: int = 1):
         self.pool, self.name, self.model_dir, self.dtype = pool, name, model_dir, dtype
+        self.env = dict(env or {})
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel > 1:
+            # vLLM CPU binds each TP rank's OpenMP threads to its own cores: one core each here.
+            self.env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                "|".join(str(r) for r in range(tensor_parallel)))
         self.buffer_size_bytes = buffer_size_bytes
         self.epoch_timeout_s = epoch_timeout_s
         self.server: VLLMServer | None = None
@@ -172,8 +180,10 @@ class Rig:
     def start(self) -> Rig:
         # vllm_command passes --dtype float32; vLLM's parser lets the later --dtype win.
         extra = () if self.dtype == "float32" else ("--dtype", self.dtype)
+        if self.tensor_parallel > 1:
+            extra += ("--tensor-parallel-size", str(self.tensor_parallel))
         self.server = VLLMServer(self.model_dir, log_path=self.pool.log_dir / f"{self.name}.log",
-                                 extra_args=extra)
+                                 extra_args=extra, env=self.env)
         self.pool.started.append(self.server)
         self.server.start()
         return self
@@ -191,6 +201,7 @@ class Rig:
                                    str(self.buffer_size_bytes), "--num-buffers", "2",
                                    "--max-epoch-s", str(self.epoch_timeout_s))
             self.fleet = Fleet([WorkerEndpoint(self.shim.instance_id, self.shim.address)],
+                               engine_world_size=self.tensor_parallel,
                                control_timeout_s=30, join_timeout_s=60,
                                epoch_timeout_s=self.epoch_timeout_s)
         return self
@@ -199,16 +210,16 @@ class Rig:
     def url(self) -> str:
         return self.server.url
 
-    def refit(self, tensors: dict, version: int):
-        """One `Fleet.refit` (with its Flush); a new plan, or a failed epoch, forms a new group
-        first."""
+    def refit(self, tensors: dict, version: int, canary=None):
+        """One `Fleet.refit` (with its Flush, and the canary when given); a new plan, or a failed
+        epoch, forms a new group first."""
         info = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
         if self._link is None or info != self._link_info:
             self._close_link()
             self.fleet.prepare({n: (shape, dtype) for n, shape, dtype in info})
             self._link, self._link_info = self.fleet.connect("127.0.0.1"), info
         try:
-            return self.fleet.refit(self._link, tensors, version=version)
+            return self.fleet.refit(self._link, tensors, version=version, canary=canary)
         except BaseException:
             self._close_link()
             raise
@@ -266,7 +277,11 @@ def refit_versions(rig: Rig, trainer: dict, *, with_lm_head: bool = True,
         version = trainer["version"] + 1
         tensors = (send(model) if send is not None
                    else state_dict_to_send(model, with_lm_head, send_dtype))
-        report = rig.refit(tensors, version)
+        # The runtime proof rides on every version: the canary computed from the reference.
+        canary = canary_from_model(reference(model), SEQUENCE, tol)
+        report = rig.refit(tensors, version, canary=canary)
+        (worker,) = report.workers
+        assert worker.canary_gap is not None and worker.canary_gap <= tol, worker
         assert report.version == version
         trainer["version"] = version
         before, engine = engine, engine_logprobs(rig.url)
@@ -275,7 +290,9 @@ def refit_versions(rig: Rig, trainer: dict, *, with_lm_head: bool = True,
         moved = (engine - before).abs().max().item()
         gaps.append(gap)
         print(f"{rig.name} v{version} ({len(tensors)} tensors, loss {loss:.3f}): "
-              f"max |vLLM - transformers| = {gap:.2e}, moved {moved:.3f}"
+              f"max |vLLM - transformers| = {gap:.2e}, moved {moved:.3f}, canary gap "
+              f"{worker.canary_gap:.1e} in {worker.canary_seconds * 1e3:.0f} ms of a "
+              f"{report.seconds * 1e3:.0f} ms epoch"
               + (f", rounding noise of the reference {noise(model):.2e}" if noise else ""))
         assert gap <= tol, (f"{rig.name} v{version}: vLLM's log-probabilities differ from "
                             f"transformers' by {gap:.4f} (tolerance {tol}): {engine - truth}")
