@@ -14,40 +14,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from refit_grpc import ChannelSecurity, Fleet, Packing, WorkerEndpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.proto import pb, pb_grpc
+from refit_grpc.testing.pki import make_pki
 
 from support import info
 
 TOKEN = "s3cret-token-for-tests"
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _ca(d: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-             f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
-
-
-def _leaf(d: Path, name: str, ca: str, san: str, usage: str) -> None:
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout",
-             f"{name}.key", "-out", f"{name}.csr", cwd=d)
-    (d / f"{name}.ext").write_text(f"subjectAltName={san}\nextendedKeyUsage={usage}\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem",
-             cwd=d)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
     """A test CA with a server and a client certificate, and a rogue CA with its own client."""
-    d = tmp_path_factory.mktemp("pki")
-    _ca(d, "ca")
-    _ca(d, "rogue_ca")
-    _leaf(d, "server", "ca", "IP:127.0.0.1,DNS:localhost", "serverAuth")
-    _leaf(d, "client", "ca", "DNS:trainer", "clientAuth")
-    _leaf(d, "rogue_client", "rogue_ca", "DNS:trainer", "clientAuth")
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _security(pki: Path, client: str | None = "client", token: str | None = TOKEN):
