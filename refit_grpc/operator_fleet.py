@@ -97,6 +97,10 @@ class StatusRow:
     shim_instance_id: str = ""
     error: str = ""       # the call's failure: "CODE REASON: message"
     last_error: str = ""  # what the shim itself last recorded (Describe.last_error)
+    # The last logprob canary: the version it ran at (None: none ran) and its largest
+    # |engine - trainer| (None: it carried no expectation).
+    canary_version: int | None = None
+    canary_gap: float | None = None
 
 
 @dataclass
@@ -128,7 +132,10 @@ def status_rows(fleet) -> list[StatusRow]:
             e.instance_id, e.address, ok=d.engine_healthy and d.state != pb.SHIM_STATE_BROKEN,
             state=state, version=d.weight_version, plan_digest=d.plan_digest,
             group=d.group_id, engine_healthy=d.engine_healthy, paused=d.paused,
-            shim_instance_id=d.instance_id, last_error=d.last_error))
+            shim_instance_id=d.instance_id, last_error=d.last_error,
+            canary_version=d.last_canary_version or None,
+            canary_gap=d.last_canary_gap if d.last_canary_version and d.last_canary_gap >= 0
+            else None))
     return rows
 
 
@@ -183,11 +190,18 @@ def render_status(rows: list[StatusRow]) -> str:
     def yes_no(v: bool | None) -> str:
         return "-" if v is None else ("yes" if v else "no")
 
+    def canary(r: StatusRow) -> str:
+        if r.canary_version is None:
+            return "-"
+        gap = "?" if r.canary_gap is None else f"{r.canary_gap:.1e}"
+        return f"{gap}@v{r.canary_version}"
+
     table = format_table(
-        ["INSTANCE", "ADDRESS", "STATE", "VERSION", "PLAN", "GROUP", "HEALTHY", "LAST ERROR"],
+        ["INSTANCE", "ADDRESS", "STATE", "VERSION", "PLAN", "GROUP", "HEALTHY", "CANARY",
+         "LAST ERROR"],
         [[r.instance, r.address, r.state, "-" if r.version is None else str(r.version),
           r.plan_digest[:DIGEST_PREFIX] or "-", r.group or "-", yes_no(r.engine_healthy),
-          _short(r.error or r.last_error) or "-"] for r in rows])
+          canary(r), _short(r.error or r.last_error) or "-"] for r in rows])
     return table + "\n" + _summary(rows)
 
 

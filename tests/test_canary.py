@@ -9,6 +9,12 @@ tests/test_vllm_families.py."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+
 import grpc
 import pytest
 import torch
@@ -49,8 +55,13 @@ def sent(model: TinyLM) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def lm_fleet(shim_procs):
-    shims = [shim_procs("--instance-id", f"lm{i}") for i in range(3)]
+def shims(shim_procs):
+    return [shim_procs("--instance-id", f"lm{i}", "--metrics-address", "127.0.0.1:0")
+            for i in range(3)]
+
+
+@pytest.fixture
+def lm_fleet(shims):
     with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
                epoch_timeout_s=60) as fleet:
         yield fleet
@@ -81,7 +92,7 @@ def test_matching_canary_passes_moves_with_versions_and_is_reported(lm_fleet):
     link.close()
 
 
-def test_engines_that_compute_otherwise_are_named_left_paused_not_flushed(lm_fleet):
+def test_engines_that_compute_otherwise_are_named_left_paused_not_flushed(lm_fleet, shims):
     """The trainer's canary comes from its model; the engines are sent other weights (what a
     load that changes what the engine computes looks like from outside: the bytes arrived, the
     outputs differ). Every engine is named; none resumes."""
@@ -106,6 +117,22 @@ def test_engines_that_compute_otherwise_are_named_left_paused_not_flushed(lm_fle
         assert d.weight_version == 2 and d.state == pb.SHIM_STATE_READY, d  # bytes are whole
         assert d.paused, f"{d.instance_id} resumed after a failed canary"
         assert d.last_canary_version == 2 and d.last_canary_gap > FP32_TOLERANCE, d
+    # What the operator sees: `refit-grpc fleet status` (a real process) and each shim's metrics.
+    workers = [a for s in shims for a in ("--worker", f"{s.instance_id}={s.address}")]
+    status = subprocess.run([sys.executable, "-m", "refit_grpc.cli", "fleet", "status", "--json",
+                             *workers], capture_output=True, text=True, timeout=120)
+    rows = {r["instance"]: r for r in json.loads(status.stdout)["workers"]}
+    assert all(r["canary_version"] == 2 and r["canary_gap"] > FP32_TOLERANCE
+               for r in rows.values()), rows
+    table = subprocess.run([sys.executable, "-m", "refit_grpc.cli", "fleet", "status", *workers],
+                           capture_output=True, text=True, timeout=120).stdout
+    print(table)
+    assert "CANARY" in table and "@v2" in table, table
+    with urllib.request.urlopen(f"http://{shims[0].metrics_address}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    gauge = float(re.search(r"^refit_shim_canary_gap (\S+)$", metrics, re.M).group(1))
+    assert gauge == pytest.approx(err.gaps["lm0"], rel=1e-6), (gauge, err.gaps)
+
     # The operator's way out: refit the trainer's weights; the canary passes and they resume.
     lm_fleet.refit(link, sent(model), version=3, canary=trainer_canary(model))
     assert not any(d.paused for d in lm_fleet.describe(weights_digest=False))
