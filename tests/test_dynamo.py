@@ -47,8 +47,8 @@ from refit_grpc.testing.dynamo import (  # noqa: E402
     build_dynamo_model,
     frontend_greedy,
     frontend_logprobs,
-    measure_refit_cycles,
 )
+from refit_grpc.testing.harness import DYNAMO  # noqa: E402
 from refit_grpc.testing.ports import unused_port  # noqa: E402
 from refit_grpc.testing.vllm import PROMPT, hf_greedy  # noqa: E402
 
@@ -278,8 +278,8 @@ def test_refit_cycle_through_the_shim_next_to_the_same_cycle_posted_directly(rig
     try:
         plan = fleet.prepare(info(rig.weights[0]))
         base, first, reps = rig.weights[0], rig.versions[0] + 1, 5
-        times = measure_refit_cycles(rig.workers[0].url, fleet, plan,
-                                     lambda v: new_weights(base, seed=v), first, reps)
+        times = DYNAMO.measure_refit_cycles(rig.workers[0].url, fleet, plan,
+                                            lambda v: new_weights(base, seed=v), first, reps)
     finally:
         fleet.close()
     last = first + 2 * reps - 1

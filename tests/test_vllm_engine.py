@@ -36,6 +36,7 @@ from refit_grpc.common import Deadline  # noqa: E402
 from refit_grpc.errors import RefitError  # noqa: E402
 from refit_grpc.proto import pb, pb_grpc  # noqa: E402
 from refit_grpc.shim.process import spawn_shim  # noqa: E402
+from refit_grpc.testing.harness import VLLM  # noqa: E402
 from refit_grpc.testing.vllm import (  # noqa: E402
     PROMPT,
     complete,
@@ -43,7 +44,6 @@ from refit_grpc.testing.vllm import (  # noqa: E402
     hf_greedy,
     http_json,
     load_hf_model,
-    measure_refit_cycles,
 )
 
 BUFFER = 256 * 1024  # the 1.7 MB model in 5 buckets
@@ -300,8 +300,8 @@ def test_refit_cycle_through_the_shim_next_to_the_same_cycle_posted_directly(
     broadcast, finish, drain, reset the prefix cache, resume) both ways, on the same engine."""
     plan = fleet.prepare(info(trainer["model"].state_dict()))
     base, first, reps = trainer["weights"], trainer["version"] + 1, 5
-    times = measure_refit_cycles(server.url, fleet, plan, lambda v: new_weights(base, seed=v),
-                                 first, reps)
+    times = VLLM.measure_refit_cycles(server.url, fleet, plan,
+                                      lambda v: new_weights(base, seed=v), first, reps)
     last = first + 2 * reps - 1
     trainer["version"], trainer["weights"] = last, new_weights(base, seed=last)
     shim, direct = (statistics.median(times[k]) for k in ("shim", "direct"))

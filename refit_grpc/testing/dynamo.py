@@ -223,7 +223,7 @@ def _spawn(server: VLLMServer, cmd: list[str], env: dict[str, str]) -> None:
 
 
 # --- one refit cycle posted straight to Dynamo's routes (the baseline the shim is measured
-# against) ---------------------------------------------------------------------------------------
+# against, by `refit_grpc.testing.harness.DYNAMO.measure_refit_cycles`) ---------------------------
 
 
 def direct_group(system_url: str, plan, init_timeout_s: float = 20.0):
@@ -276,36 +276,9 @@ def direct_cycle(system_url: str, group, plan, tensors, version: int,
     return time.monotonic() - t0
 
 
-def measure_refit_cycles(system_url: str, fleet, plan, make_weights, first_version: int,
-                         reps: int = 5) -> dict[str, list[float]]:
-    """Interleaved blocks (shim, direct, shim) of `reps` full cycles each, on one worker: the
-    shim arm is `Fleet.refit` (UpdateWeights + Flush), the direct arm `direct_cycle`. Group
-    formation is outside the timings on both sides. The worker ends on the shim arm's last
-    version, `first_version + 2 * reps - 1`."""
-    times: dict[str, list[float]] = {"shim": [], "direct": []}
-    version = first_version
-    for arm in ("shim", "direct", "shim"):
-        if arm == "shim":
-            link = fleet.connect("127.0.0.1")
-            try:
-                for _ in range(reps):
-                    weights = make_weights(version)
-                    t0 = time.monotonic()
-                    fleet.refit(link, weights, version=version)
-                    times["shim"].append(time.monotonic() - t0)
-                    version += 1
-            finally:
-                link.close()
-            continue
-        group = direct_group(system_url, plan)
-        try:
-            for i in range(reps):
-                times["direct"].append(direct_cycle(system_url, group, plan,
-                                                    make_weights(10_000 + i), 10_000 + i))
-        finally:
-            group.close()
-            _post(system_url, dynamo_info.DESTROY_GROUP, dynamo_info.destroy_body(), check=False)
-    return times
+def release_group(system_url: str) -> None:
+    """Tear down the worker's side of a group formed by `direct_group` (an error is ignored)."""
+    _post(system_url, dynamo_info.DESTROY_GROUP, dynamo_info.destroy_body(), check=False)
 
 
 def _post(system_url: str, route: str, body: Any, *, check: bool = True,
@@ -314,8 +287,6 @@ def _post(system_url: str, route: str, body: Any, *, check: bool = True,
     if check and (status != 200 or not isinstance(reply, dict) or reply.get("status") != "ok"):
         raise RuntimeError(f"POST /engine/{route}: HTTP {status}: {reply}")
     return reply
-
-
 
 
 # --- completions through the frontend, from one chosen worker ---------------------------------
@@ -374,5 +345,5 @@ def frontend_greedy(frontend_url: str, instance_id: int | None, prompt: Sequence
 
 __all__ = ["DynamoFrontend", "DynamoWorker", "add_chat_template", "build_dynamo_model",
            "direct_cycle", "direct_group", "dynamo_python", "free_system_port",
-           "frontend_completion", "frontend_greedy", "frontend_logprobs",
-           "measure_refit_cycles", "require_dynamo_python"]
+           "frontend_completion", "frontend_greedy", "frontend_logprobs", "release_group",
+           "require_dynamo_python"]

@@ -1,6 +1,6 @@
 """A real vLLM CPU server for tests, demos and benchmarks: the tiny models it serves, the server
 process, completions, and one refit cycle posted straight to vLLM's routes (the baseline a shim's
-cycle is measured against).
+cycle is measured against, by `refit_grpc.testing.harness.VLLM.measure_refit_cycles`).
 
 Everything runs offline: models and tokenizers are built locally, never fetched from a hub. vLLM,
 transformers and tokenizers are imported inside the functions that need them, so importing this
@@ -380,36 +380,9 @@ def direct_group(url: str, plan):
     return group
 
 
-def measure_refit_cycles(url: str, fleet, plan, make_weights, first_version: int,
-                         reps: int = 5) -> dict[str, list[float]]:
-    """Interleaved blocks (shim, direct, shim) of `reps` full cycles each, on one engine. The
-    shim arm is `Fleet.refit` (UpdateWeights + Flush, membership check included); the direct arm
-    is `direct_cycle`. Group formation is outside the timings on both sides. Returns seconds
-    per arm; the engine ends on the shim arm's last version, `first_version + 2 * reps - 1`."""
-    times: dict[str, list[float]] = {"shim": [], "direct": []}
-    version = first_version
-    for arm in ("shim", "direct", "shim"):
-        if arm == "shim":
-            link = fleet.connect("127.0.0.1")
-            try:
-                for _ in range(reps):
-                    weights = make_weights(version)
-                    t0 = time.monotonic()
-                    fleet.refit(link, weights, version=version)
-                    times["shim"].append(time.monotonic() - t0)
-                    version += 1
-            finally:
-                link.close()
-            continue
-        group = direct_group(url, plan)
-        try:
-            for i in range(reps):
-                times["direct"].append(
-                    direct_cycle(url, group, plan, make_weights(10_000 + i), 10_000 + i))
-        finally:
-            group.close()
-            http_json("POST", url, "/shutdown_weight_transfer_engine")
-    return times
+def release_group(url: str) -> None:
+    """Tear down the engine's side of a group formed by `direct_group`."""
+    http_json("POST", url, "/shutdown_weight_transfer_engine")
 
 
 def toy_batch(vocab: int, batch: int, length: int, gen) -> Any:

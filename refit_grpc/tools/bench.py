@@ -33,9 +33,8 @@ import torch
 
 from refit_grpc.collective import Group, Sender, bind_master_store, receive
 from refit_grpc.common import Deadline, GroupSpec
-from refit_grpc.driver import Fleet, WorkerEndpoint
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
-from refit_grpc.shim.process import spawn_shim
+from refit_grpc.testing.harness import Run
 
 ARMS = ("floor", "per-tensor", "raw", "refit_grpc", "http")
 _TIMEOUT_S = 300.0
@@ -207,14 +206,15 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
     plan.validate()
     weights = materialize(specs, flat=flat_trainer)
     world = workers + 1
-    say = _printer(out)
+    run = Run("bench", None, out)
+    say = run.say
     say(f"plan: {len(plan.tensors)} tensors ({min(s.nbytes for s in specs)} B to "
         f"{max(s.nbytes for s in specs) / 1e6:.1f} MB), {plan.total_bytes / 1e6:.1f} MB, "
         f"{len(plan.buckets)} buckets of {buffer_size_bytes >> 20} MiB x {num_buffers} buffers; "
         f"{workers} receivers; {reps} interleaved reps after one warm-up; arms: {', '.join(arms)}"
         + ("; the trainer's weights are views into one buffer" if flat_trainer else ""))
     procs: list[subprocess.Popen] = []
-    shims, fleet, http = [], None, None
+    http = None
     times: dict[str, list[float]] = {a: [] for a in arms}
     memory: dict[str, list[tuple[int, int]]] = {a: [] for a in arms}  # (sender, max receiver)
     cpu: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}  # (sender, all receivers)
@@ -266,11 +266,9 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                 receivers[a] = [p.pid for p in bare_procs]
 
         if "refit_grpc" in arms:
-            shims = [spawn_shim("--model", "none", "--instance-id", f"bench-{i}",
-                                "--buffer-size-bytes", str(buffer_size_bytes),
-                                "--num-buffers", str(num_buffers)) for i in range(workers)]
-            fleet = Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
-                          packing=packing, epoch_timeout_s=_TIMEOUT_S)
+            shims = run.spawn_shims([("--model", "none", "--instance-id", f"bench-{i}")
+                                     for i in range(workers)], buffer_size_bytes, num_buffers)
+            fleet = run.fleet_of_shims(packing=packing, epoch_timeout_s=_TIMEOUT_S)
             fleet.prepare(plan.state_dict_info())
             link = fleet.connect("127.0.0.1")
             runners["refit_grpc"] = lambda v: fleet.refit(link, weights, version=v, flush=False)
@@ -323,12 +321,9 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                     cpu[arm].append((used[0], sum(used[1:])))
             say(f"rep {i}{' (warm-up)' if i == 0 else ''} done")
     finally:
-        if fleet is not None:
-            fleet.close()
+        run.teardown()  # the fleet and the shims
         if http is not None:
             http.close()
-        for shim in shims:
-            shim.stop()
         for p in procs:
             if p.stdin:
                 p.stdin.close()
@@ -339,12 +334,6 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                 p.kill()
     _report(times, memory, cpu, first, plan, workers, say)
     return times
-
-
-def _printer(out) -> Callable[[str], None]:
-    def say(line: str) -> None:
-        print(line, file=out, flush=True)
-    return say
 
 
 def _report(times: dict[str, list[float]], memory: dict[str, list[tuple[int, int]]],

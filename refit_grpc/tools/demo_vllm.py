@@ -12,114 +12,56 @@ and they must have changed since the step before. Exits non-zero on any mismatch
 
 The model builder, server launcher, completions and greedy decoding are
 `refit_grpc.testing.vllm`'s, which the test suite uses too: the demo and the tests run vLLM the
-same way.
+same way. The run/report/teardown skeleton is `refit_grpc.testing.harness`'s, shared with
+`make demo-dynamo`: the teardown proves no vLLM process survived.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
-import time
-from pathlib import Path
 
-from refit_grpc.testing.vllm import (
-    PROMPT,
-    VLLMServer,
-    build_tiny_llama,
-    complete,
-    hf_greedy,
-    load_hf_model,
-    toy_batch,
-)
+from refit_grpc.testing.harness import VLLM, Run, run_reported, timed, train
+from refit_grpc.testing.vllm import PROMPT, build_tiny_llama, complete, hf_greedy, load_hf_model
 
 
 def run_demo(engines: int = 2, steps: int = 3, train_steps: int = 5, gen_tokens: int = 12,
              buffer_size_bytes: int = 256 * 1024, out=sys.stdout) -> int:
     import torch
 
-    from refit_grpc.driver import Fleet, WorkerEndpoint
-    from refit_grpc.shim.process import ShimProcess, spawn_shim
-
-    def say(line: str) -> None:
-        print(line, file=out, flush=True)
-
-    torch.manual_seed(1234)
-    servers: list[VLLMServer] = []
-    shims: list[ShimProcess] = []
-    fleet = link = None
-    failures = 0
-    with tempfile.TemporaryDirectory(prefix="refit-demo-vllm-") as tmp:
-        try:
-            t0 = time.monotonic()
-            model_dir = build_tiny_llama(Path(tmp) / "tiny")
-            say(f"built tiny Llama + tokenizer in {time.monotonic() - t0:.1f}s: {model_dir}")
-            ncpu = os.cpu_count() or 1
-            t0 = time.monotonic()
-            servers = [VLLMServer(model_dir, log_path=Path(tmp) / f"vllm-{i}.log",
-                                  cpu_bind=str(i % ncpu)).start() for i in range(engines)]
-            for s in servers:
-                s.wait_ready()
-            say(f"started {engines} vLLM engines in {time.monotonic() - t0:.1f}s: "
-                f"{', '.join(s.url for s in servers)}")
-            shims = [spawn_shim("--engine", "vllm", "--engine-url", s.url, "--instance-id",
-                                f"vllm-{i}", "--buffer-size-bytes", str(buffer_size_bytes),
-                                "--num-buffers", "2") for i, s in enumerate(servers)]
-            fleet = Fleet([WorkerEndpoint(p.instance_id, p.address) for p in shims],
-                          control_timeout_s=30, join_timeout_s=60, epoch_timeout_s=120)
-            model = load_hf_model(model_dir)
-            plan = fleet.prepare({n: (t.shape, t.dtype) for n, t in model.state_dict().items()})
-            link = fleet.connect("127.0.0.1")
-            say(f"plan {plan.digest[:12]}: {len(plan.tensors)} tensors, {plan.total_bytes} bytes,"
-                f" {len(plan.buckets)} buckets; group of {1 + engines} formed")
-            before = [complete(s.url, PROMPT, gen_tokens)["token_ids"] for s in servers]
+    def demo(run: Run) -> None:
+        torch.manual_seed(1234)
+        with timed(run, lambda sec: f"built tiny Llama + tokenizer in {sec:.1f}s: {model_dir}"):
+            model_dir = build_tiny_llama(run.workdir / "tiny")
+        with timed(run, lambda sec: f"started {engines} vLLM engines in {sec:.1f}s: "
+                                    f"{', '.join(s.url for s in servers)}"):
+            servers = VLLM.start_servers(run, model_dir, engines)
+        run.engine_shims(VLLM.engine, [s.url for s in servers], "vllm", buffer_size_bytes)
+        fleet = run.fleet_of_shims(control_timeout_s=30, join_timeout_s=60, epoch_timeout_s=120)
+        model = load_hf_model(model_dir)
+        run.prepare_and_connect(model)
+        before = [complete(s.url, PROMPT, gen_tokens)["token_ids"] for s in servers]
+        expected = hf_greedy(model, PROMPT, gen_tokens)
+        same = run.check(all(b == expected for b in before))
+        run.say(f"before training: engines {'==' if same else '!='} trainer: {expected}")
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(0)
+        last = expected
+        for step in range(1, steps + 1):
+            loss = train(model, optim, gen, train_steps)
+            report = fleet.refit(run.link, model.state_dict())
             expected = hf_greedy(model, PROMPT, gen_tokens)
-            same = all(b == expected for b in before)
-            failures += not same
-            say(f"before training: engines {'==' if same else '!='} trainer: {expected}")
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            gen = torch.Generator().manual_seed(0)
-            vocab = model.config.vocab_size
-            last = expected
-            for step in range(1, steps + 1):
-                model.train()
-                for _ in range(train_steps):
-                    batch = toy_batch(vocab, 8, 32, gen)
-                    loss = model(batch, labels=batch).loss
-                    optim.zero_grad()
-                    loss.backward()
-                    optim.step()
-                model.eval()
-                report = fleet.refit(link, model.state_dict())
-                expected = hf_greedy(model, PROMPT, gen_tokens)
-                got = [complete(s.url, PROMPT, gen_tokens)["token_ids"] for s in servers]
-                ok = all(g == expected for g in got)
-                versions = [d.weight_version for d in fleet.describe()]
-                changed = expected != last
-                failures += (not ok) + (not changed)
-                say(f"step {step}: loss={loss.item():.3f} refit v={report.version} "
+            got = [complete(s.url, PROMPT, gen_tokens)["token_ids"] for s in servers]
+            ok = run.check(all(g == expected for g in got))
+            versions = [d.weight_version for d in fleet.describe()]
+            changed = run.check(expected != last)
+            run.say(f"step {step}: loss={loss:.3f} refit v={report.version} "
                     f"{report.bytes} bytes in {report.seconds:.3f}s versions={versions} "
                     f"engines={'ok' if ok else 'MISMATCH ' + str(got)} "
                     f"{'changed' if changed else 'UNCHANGED'} tokens={expected}")
-                last = expected
-        except Exception as e:  # noqa: BLE001  (the demo reports and fails)
-            failures += 1
-            say(f"demo failed: {type(e).__name__}: {e}")
-            for s in servers:
-                if s.proc is not None and s.proc.poll() is not None:
-                    say(f"--- {s.log_path} ---\n{s.log_tail()}")
-        finally:
-            if link is not None:
-                link.close()
-            if fleet is not None:
-                fleet.close()
-            for p in shims:
-                p.stop()
-            for s in servers:
-                s.stop()
-    say("demo-vllm OK" if failures == 0 else f"demo-vllm FAILED ({failures} problems)")
-    return 0 if failures == 0 else 1
+            last = expected
+
+    return run_reported("demo-vllm", demo, out)
 
 
 def main(argv: list[str] | None = None) -> int:
