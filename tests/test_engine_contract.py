@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from refit_grpc.canary import FP32_TOLERANCE, teacher_forced_logprobs
 from refit_grpc.collective import Group, Sender
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import EpochAbortedError, RefitError, RefitTimeoutError
 from refit_grpc.plan import Bucket, Packing, RefitPlan, weights_digest
+from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.engines.dynamo import DynamoEngine
 from refit_grpc.shim.engines.reference import ReferenceEngine
@@ -41,6 +43,7 @@ ENGINES = ("reference", "vllm", "dynamo")
 STEP_S = 30.0      # the deadline of a control call (pause, resume, join, ...)
 EPOCH_S = 60.0     # the deadline of a transfer that is expected to succeed
 GEN = 4            # tokens compared with the transformers forward (vLLM)
+CANARY = [3, 17, 42, 5, 99, 1, 64, 7, 23, 8, 111, 2]  # in every engine's vocabulary here
 _versions = iter(range(1, 1_000_000))  # one vLLM server for the module: versions only move forward
 
 
@@ -54,6 +57,9 @@ class Subject:
     base: dict[str, torch.Tensor]
     holds: Callable[[RefitPlan, dict[str, torch.Tensor], int], None]
     settle_s: float = 0.3  # until a receive just started is blocked inside the engine
+    # The trainer's log-probabilities of a canary under given weights; None for an engine that
+    # computes no canary (it must say so: supports_canary False, CANARY_UNSUPPORTED).
+    canary_truth: Callable[[dict[str, torch.Tensor], list[int]], list[float]] | None = None
 
     def plan(self) -> RefitPlan:
         return RefitPlan.from_state_dict_info(info(self.base), self.packing)
@@ -84,7 +90,13 @@ def reference_subject() -> Subject:
         want = weights_digest((s.name, weights[s.name]) for s in plan.tensors)
         assert engine.status(with_digest=True).weights_digest == want
 
-    return Subject(engine, Packing(64 * 1024, 2), base, holds)
+    def canary_truth(weights: dict[str, torch.Tensor], tokens: list[int]) -> list[float]:
+        model = TinyLM(TinyLMConfig())
+        model.load_state_dict(weights)
+        with torch.no_grad():
+            return teacher_forced_logprobs(model.eval()(torch.tensor([tokens]))[0], tokens)
+
+    return Subject(engine, Packing(64 * 1024, 2), base, holds, canary_truth=canary_truth)
 
 
 def vllm_subject(server, trainer: dict) -> Subject:
@@ -101,8 +113,15 @@ def vllm_subject(server, trainer: dict) -> Subject:
         engine.resume(Deadline(STEP_S))  # vLLM generates only once resumed
         assert complete(server.url, PROMPT, GEN)["token_ids"] == want
 
+    def canary_truth(weights: dict[str, torch.Tensor], tokens: list[int]) -> list[float]:
+        from refit_grpc.testing.logprobs import hf_logprobs
+
+        model.load_state_dict(weights)
+        return hf_logprobs(model, tokens).tolist()
+
     # vLLM needs a moment to reach /update_weights after the call was posted.
-    return Subject(engine, Packing(256 * 1024, 2), trainer["base"], holds, settle_s=1.5)
+    return Subject(engine, Packing(256 * 1024, 2), trainer["base"], holds, settle_s=1.5,
+                   canary_truth=canary_truth)
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +322,43 @@ def test_a_full_transfer_leaves_the_trainers_weights(subject):
     subject.holds(plan, weights, version)
     print(f"\n{engine.kind}: {plan.total_bytes} bytes in {len(plan.buckets)} buckets, join to "
           f"verified in {time.monotonic() - t0:.2f}s")
+
+
+def test_the_canary_is_computed_with_the_new_weights_before_the_engine_serves(subject):
+    """After `finish`, still paused: the engine's teacher-forced log-probabilities of the canary
+    equal the trainer's under the weights just sent, and the engine is paused again afterwards
+    (the shim resumes only at Flush). An engine without a canary says so, typed."""
+    engine, plan = subject.engine, subject.plan()
+    if subject.canary_truth is None:
+        assert not engine.supports_canary
+        with pytest.raises(RefitError) as refused:
+            engine.canary_logprobs(CANARY, Deadline(STEP_S))
+        assert refused.value.reason == Reason.CANARY_UNSUPPORTED
+        return
+    assert engine.supports_canary
+    version = next(_versions)
+    weights = perturbed(subject.base, seed=2)
+    joined = form_group(engine, plan)
+    try:
+        engine.pause(PauseMode.KEEP, Deadline(STEP_S))
+        receive = Receive(engine, plan, Deadline(EPOCH_S))
+        Sender(joined.trainer, plan).send(weights, Deadline(EPOCH_S))
+        receive.join(EPOCH_S)
+        assert receive.error is None, receive.error
+        engine.finish(version, Deadline(STEP_S))
+    finally:
+        joined.trainer.close()
+    t0 = time.monotonic()
+    got = engine.canary_logprobs(CANARY, Deadline(STEP_S))
+    seconds = time.monotonic() - t0
+    want = subject.canary_truth(weights, CANARY)
+    gap = max(abs(a - b) for a, b in zip(got, want, strict=True))
+    before = subject.canary_truth(subject.base, CANARY)
+    moved = max(abs(a - b) for a, b in zip(want, before))
+    print(f"\n{engine.kind}: canary gap {gap:.1e} (the weights moved it {moved:.3f}) in "
+          f"{seconds * 1e3:.0f} ms")
+    assert gap <= FP32_TOLERANCE < moved
+    assert engine.status().paused
 
 
 def test_abort_transfer_fails_a_blocked_receive_promptly_and_never_blocks(subject, request):
