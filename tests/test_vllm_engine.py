@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from support import fleet_mid_epoch, info
 from vllm_support import require_vllm, tiny_model_dir
-from vllm_support.servers import ServerPool
+from vllm_support.servers import module_pool
 
 require_vllm()
 
@@ -53,31 +53,32 @@ GEN = 12
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    pool = ServerPool(tmp_path_factory.mktemp("vllm-logs"))
-    yield pool
-    survivors = pool.stop_all()
-    assert not survivors, f"vLLM processes outlived the module: {survivors}"
+    with module_pool(tmp_path_factory, "vllm-logs") as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
-def server(pool):
-    return pool.start(tiny_model_dir())
+def rig(pool):
+    return pool.rig("vllm-0", tiny_model_dir(), buffer_size_bytes=BUFFER,
+                    epoch_timeout_s=EPOCH_S).ready()
 
 
 @pytest.fixture(scope="module")
-def shim(server):
-    proc = spawn_shim("--engine", "vllm", "--engine-url", server.url, "--instance-id", "vllm-0",
-                      "--buffer-size-bytes", str(BUFFER), "--num-buffers", "2",
-                      "--max-epoch-s", str(EPOCH_S))
+def server(rig):
+    return rig.server
+
+
+@pytest.fixture(scope="module")
+def shim(rig):
+    proc = rig.shim
     yield proc
     assert proc.stop() is not None
     assert proc.proc.poll() is not None
 
 
 @pytest.fixture
-def fleet(shim):
-    fleet = Fleet([WorkerEndpoint(shim.instance_id, shim.address)], control_timeout_s=30,
-                  join_timeout_s=60, epoch_timeout_s=EPOCH_S)
+def fleet(rig):
+    fleet = rig.new_fleet()
     (d,) = fleet.describe()
     if d.state == pb.SHIM_STATE_BROKEN or d.paused:  # say so now, not after a long timeout
         pytest.fail(f"an earlier test left the engine {pb.ShimState.Name(d.state)}, "

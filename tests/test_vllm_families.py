@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from vllm_support import require_vllm, tiny_model_dir
-from vllm_support.servers import ServerPool
+from vllm_support.servers import Rig, module_pool
 
 require_vllm()
 
@@ -45,7 +45,6 @@ from refit_grpc.vllm_plugin.moe import DISABLE_ENV  # noqa: E402
 from vllm_support.truth import (  # noqa: E402
     FP32_TOL,
     SEQUENCE,
-    Rig,
     build_tiny,
     load_model,
     refit_versions,
@@ -59,17 +58,14 @@ ORDER = (*FAMILIES, UNFIXED)
 
 @pytest.fixture(scope="module")
 def rigs(tmp_path_factory):
-    pool = ServerPool(tmp_path_factory.mktemp("vllm-families-logs"))
-    rigs = {}
-    for seed, family in enumerate(FAMILIES):
-        model_dir = build_tiny(family, tmp_path_factory.mktemp(family) / family,
-                               tiny_model_dir(), seed=seed)
-        rigs[family] = Rig(pool, family, model_dir)
-    rigs[UNFIXED] = Rig(pool, UNFIXED, rigs["qwen2_moe"].model_dir, env={DISABLE_ENV: "0"})
-    yield rigs
-    survivors = [pid for r in rigs.values() for pid in r.close()]
-    survivors += pool.stop_all()
-    assert not survivors, f"vLLM processes outlived the module: {survivors}"
+    with module_pool(tmp_path_factory, "vllm-families-logs") as pool:
+        rigs = {}
+        for seed, family in enumerate(FAMILIES):
+            model_dir = build_tiny(family, tmp_path_factory.mktemp(family) / family,
+                                   tiny_model_dir(), seed=seed)
+            rigs[family] = pool.rig(family, model_dir)
+        rigs[UNFIXED] = pool.rig(UNFIXED, rigs["qwen2_moe"].model_dir, env={DISABLE_ENV: "0"})
+        yield rigs
 
 
 def _ready(rigs, name: str) -> Rig:

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from support import info
 from vllm_support import require_vllm, tiny_model_dir
-from vllm_support.servers import ServerPool
+from vllm_support.servers import module_pool
 
 require_vllm()
 
@@ -38,7 +38,6 @@ from refit_grpc.proto import pb  # noqa: E402
 from refit_grpc.testing.vllm import PROMPT, complete  # noqa: E402
 
 from vllm_support.truth import (  # noqa: E402
-    Rig,
     load_model,
     refit_versions,
     sgd_step,
@@ -50,12 +49,9 @@ EPOCH_S = 60.0
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
-    pool = ServerPool(tmp_path_factory.mktemp("vllm-tp-logs"))
-    rig = Rig(pool, "tp2", tiny_model_dir(), buffer_size_bytes=128 * 1024,
-              epoch_timeout_s=EPOCH_S, tensor_parallel=2)
-    yield rig.ready(400)
-    survivors = rig.close() + pool.stop_all()
-    assert not survivors, f"vLLM processes outlived the module: {survivors}"
+    with module_pool(tmp_path_factory, "vllm-tp-logs") as pool:
+        yield pool.rig("tp2", tiny_model_dir(), buffer_size_bytes=128 * 1024,
+                       epoch_timeout_s=EPOCH_S, tensor_parallel=2).ready(400)
 
 
 @pytest.fixture(scope="module")

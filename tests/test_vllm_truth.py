@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from vllm_support import require_vllm, tiny_model_dir
-from vllm_support.servers import ServerPool
+from vllm_support.servers import module_pool
 
 require_vllm()
 
@@ -40,7 +40,6 @@ from refit_grpc.proto import pb  # noqa: E402
 from vllm_support.truth import (  # noqa: E402
     BF16_TOL,
     FP32_TOL,
-    Rig,
     build_tiny_qwen2,
     engine_logprobs,
     hf_logprobs,
@@ -52,18 +51,16 @@ from vllm_support.truth import (  # noqa: E402
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    pool = ServerPool(tmp_path_factory.mktemp("vllm-truth-logs"))
-    yield pool
-    survivors = pool.stop_all()
-    assert not survivors, f"vLLM processes outlived the module: {survivors}"
+    with module_pool(tmp_path_factory, "vllm-truth-logs") as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
 def rigs(pool, tmp_path_factory):
     """The three servers, started in the order the tests use them, two at a time."""
     qwen2 = build_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "tied", tiny_model_dir())
-    rigs = {"tied": Rig(pool, "tied", qwen2), "llama": Rig(pool, "llama", tiny_model_dir()),
-            "bf16": Rig(pool, "bf16", qwen2, dtype="bfloat16")}
+    rigs = {"tied": pool.rig("tied", qwen2), "llama": pool.rig("llama", tiny_model_dir()),
+            "bf16": pool.rig("bf16", qwen2, dtype="bfloat16")}
     rigs["tied"].start()
     rigs["llama"].start()
     yield rigs

@@ -14,7 +14,7 @@ import pytest
 
 from support import info
 from vllm_support import require_vllm, tiny_model_dir
-from vllm_support.servers import ServerPool
+from vllm_support.servers import module_pool
 
 require_vllm()
 
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.timeout(600)
 
 from refit_grpc import Fleet, WeightsMismatchError, WorkerEndpoint  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
-from refit_grpc.shim.process import spawn_shim  # noqa: E402
 from refit_grpc.testing.ports import free_port  # noqa: E402
 from refit_grpc.testing.vllm import build_tiny_llama, http_json, load_hf_model  # noqa: E402
 
@@ -32,20 +31,11 @@ BUFFER = 256 * 1024
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """Two servers whose checkpoints differ (seed 0 and seed 1), each with its shim."""
-    pool = ServerPool(tmp_path_factory.mktemp("vllm-logs"))
     other = build_tiny_llama(tmp_path_factory.mktemp("tiny-other") / "tiny", seed=1)
-    shims = []
-    try:
-        servers = [pool.start(tiny_model_dir()), pool.start(other)]
-        shims = [spawn_shim("--engine", "vllm", "--engine-url", s.url, "--instance-id",
-                            f"vllm-{i}", "--buffer-size-bytes", str(BUFFER))
-                 for i, s in enumerate(servers)]
-        yield servers, shims
-    finally:
-        for p in shims:
-            p.stop()
-        survivors = pool.stop_all()
-        assert not survivors, f"vLLM processes outlived the module: {survivors}"
+    with module_pool(tmp_path_factory, "vllm-logs") as pool:
+        rigs = [pool.rig(f"vllm-{i}", model_dir, buffer_size_bytes=BUFFER).ready()
+                for i, model_dir in enumerate((tiny_model_dir(), other))]
+        yield [r.server for r in rigs], [r.shim for r in rigs]
 
 
 def test_engines_that_disagree_are_named_and_a_full_refit_makes_them_agree(engines):

@@ -1,19 +1,30 @@
-"""Start and stop real vLLM servers for a test module; nothing they started may outlive it."""
+"""Start and stop real vLLM servers for a test module; nothing they started may outlive it.
+
+`ServerPool` is a module's servers; `Rig` (`ServerPool.rig`) is the one way to get "a vLLM server
++ a shim + a Fleet"; `module_pool` is the module fixture's body: the pool, then at teardown every
+rig closed and every server stopped, and the proof that no process of them survived.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from refit_grpc.driver import Fleet, WorkerEndpoint
+from refit_grpc.shim.process import ShimProcess, spawn_shim
 from refit_grpc.testing.vllm import VLLMServer
 
 
 class ServerPool:
-    """Every VLLMServer a test module started, stopped (and checked gone) at its teardown."""
+    """Every VLLMServer a test module started (alone, or in a `Rig`), stopped (and checked gone)
+    at its teardown."""
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.started: list[VLLMServer] = []
+        self.rigs: list[Rig] = []
 
     def start(self, model_dir: Path, port: int | None = None, *, cpu_bind: str | None = None,
               ready_timeout_s: float = 300.0) -> VLLMServer:
@@ -24,12 +35,129 @@ class ServerPool:
         server.wait_ready(ready_timeout_s)
         return server
 
+    def rig(self, name: str, model_dir: Path, **options) -> Rig:
+        """A `Rig` of this pool (not started): closed by `stop_all`."""
+        rig = Rig(self, name, model_dir, **options)
+        self.rigs.append(rig)
+        return rig
+
     def stop_all(self) -> list[int]:
-        """Stop every server; returns the pids of any process that survived (must be empty)."""
+        """Close every rig (fleet, shim, server), stop every server; returns the pids of any
+        process that survived (must be empty)."""
+        survivors = [pid for rig in self.rigs for pid in rig.close()]
         for server in self.started:
             server.stop()
-        survivors = [pid for s in self.started for pid in s.group_pids()]
-        return [pid for pid in survivors if _alive(pid)]
+        survivors += [pid for s in self.started for pid in s.group_pids()]
+        return sorted({pid for pid in survivors if _alive(pid)})
+
+
+@contextmanager
+def module_pool(tmp_path_factory, name: str) -> Iterator[ServerPool]:
+    """A test module's pool, logs in a temporary directory `name`; at the end, everything it
+    started is stopped and none of its processes may have survived."""
+    pool = ServerPool(tmp_path_factory.mktemp(name))
+    try:
+        yield pool
+    finally:
+        survivors = pool.stop_all()
+        assert not survivors, f"vLLM processes outlived the module: {survivors}"
+
+
+class Rig:
+    """One vLLM server of one model and dtype, a real `refit-grpc shim --engine vllm` process in
+    front of it and a one-worker `Fleet`: the one way a test module gets "a vLLM server + a shim
+    + a Fleet" (`ServerPool.rig`). `start` only launches the server (so two can boot at once),
+    `ready` waits for it and starts the shim; the server goes into `pool.started`, whose
+    teardown (`ServerPool.stop_all`) closes the rig and proves no process of it survived."""
+
+    def __init__(self, pool, name: str, model_dir: Path, dtype: str = "float32",
+                 buffer_size_bytes: int = 256 * 1024, epoch_timeout_s: float = 60.0,
+                 env: dict[str, str] | None = None, tensor_parallel: int = 1):
+        self.pool, self.name, self.model_dir, self.dtype = pool, name, model_dir, dtype
+        self.env = dict(env or {})
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel > 1:
+            # vLLM CPU binds each TP rank's OpenMP threads to its own cores: one core each here.
+            self.env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                "|".join(str(r) for r in range(tensor_parallel)))
+        self.buffer_size_bytes = buffer_size_bytes
+        self.epoch_timeout_s = epoch_timeout_s
+        self.server: VLLMServer | None = None
+        self.shim: ShimProcess | None = None
+        self.fleet: Fleet | None = None
+        self._link = None
+        self._link_info: list | None = None
+
+    def start(self) -> Rig:
+        # vllm_command passes --dtype float32; vLLM's parser lets the later --dtype win.
+        extra = () if self.dtype == "float32" else ("--dtype", self.dtype)
+        if self.tensor_parallel > 1:
+            extra += ("--tensor-parallel-size", str(self.tensor_parallel))
+        self.server = VLLMServer(self.model_dir, log_path=self.pool.log_dir / f"{self.name}.log",
+                                 extra_args=extra, env=self.env)
+        self.pool.started.append(self.server)
+        self.server.start()
+        return self
+
+    def ready(self, timeout_s: float = 300.0) -> Rig:
+        if self.server is None:
+            self.start()
+        assert self.server is not None
+        if self.shim is None:
+            self.server.wait_ready(timeout_s)
+            self.shim = spawn_shim("--engine", "vllm", "--engine-url", self.server.url,
+                                   "--instance-id", self.name, "--buffer-size-bytes",
+                                   str(self.buffer_size_bytes), "--num-buffers", "2",
+                                   "--max-epoch-s", str(self.epoch_timeout_s))
+            self.fleet = self.new_fleet()
+        return self
+
+    def new_fleet(self) -> Fleet:
+        """A one-worker `Fleet` on the shim with the rig's deadlines: `fleet` is the rig's own,
+        a test that wants a fresh one calls this (and closes it)."""
+        if self.shim is None:
+            raise RuntimeError(f"rig {self.name} is not ready")
+        return Fleet([WorkerEndpoint(self.shim.instance_id, self.shim.address)],
+                     engine_world_size=self.tensor_parallel, control_timeout_s=30,
+                     join_timeout_s=60, epoch_timeout_s=self.epoch_timeout_s)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def refit(self, tensors: dict, version: int, canary=None):
+        """One `Fleet.refit` (with its Flush, and the canary when given); a new plan, or a failed
+        epoch, forms a new group first."""
+        info = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+        if self._link is None or info != self._link_info:
+            self._close_link()
+            self.fleet.prepare({n: (shape, dtype) for n, shape, dtype in info})
+            self._link, self._link_info = self.fleet.connect("127.0.0.1"), info
+        try:
+            return self.fleet.refit(self._link, tensors, version=version, canary=canary)
+        except BaseException:
+            self._close_link()
+            raise
+
+    def _close_link(self) -> None:
+        link, self._link, self._link_info = self._link, None, None
+        if link is not None:
+            link.close()
+
+    def close(self) -> list[int]:
+        """Stop fleet, shim and server (again: a no-op); returns the pids of the server that
+        survived."""
+        self._close_link()
+        fleet, shim, self.fleet, self.shim = self.fleet, self.shim, None, None
+        if fleet is not None:
+            fleet.close()
+        if shim is not None:
+            shim.stop()
+        if self.server is None:
+            return []
+        self.server.stop()
+        return self.server.group_pids()
 
 
 def _alive(pid: int) -> bool:

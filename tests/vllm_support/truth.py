@@ -7,7 +7,8 @@ sequence (vLLM's `prompt_logprobs`, transformers' `log_softmax` of the logits) i
 position that moves with every weight, so comparing those is the check here.
 
 The Llama model and its tokenizer, the server launcher and the completions helpers are the
-harness's (`refit_grpc.testing.vllm`); this adds a tied-embedding Qwen2-style model (GQA, q/k/v biases)
+harness's (`refit_grpc.testing.vllm`), the server + shim + Fleet of one engine is
+`vllm_support.servers.Rig`; this adds a tied-embedding Qwen2-style model (GQA, q/k/v biases)
 next to it, the two sides' log-probabilities, and the trainer's plain SGD step.
 """
 
@@ -25,12 +26,13 @@ from refit_grpc.testing.logprobs import SEQUENCE, hf_logprobs  # noqa: F401  (re
 from refit_grpc.testing.vllm import (
     PROMPT,
     SERVED_MODEL,
-    VLLMServer,
     complete,
     hf_greedy,
     http_json,
     toy_batch,
 )
+
+from vllm_support.servers import Rig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -151,97 +153,6 @@ def state_dict_to_send(model, with_lm_head: bool, dtype: torch.dtype | None = No
         t = t.detach()
         out[name] = (t.to(dtype) if dtype is not None else t).contiguous().clone()
     return out
-
-
-class Rig:
-    """One vLLM server of one model and dtype, a real `refit-grpc shim --engine vllm` process in
-    front of it and a one-worker `Fleet`. `start` only launches the server (so two can boot at
-    once), `ready` waits for it and starts the shim; the server goes into `pool.started`, whose
-    teardown proves no process of it survived."""
-
-    def __init__(self, pool, name: str, model_dir: Path, dtype: str = "float32",
-                 buffer_size_bytes: int = 256 * 1024, epoch_timeout_s: float = 60.0,
-                 env: dict[str, str] | None = None, tensor_parallel: int = 1):
-        self.pool, self.name, self.model_dir, self.dtype = pool, name, model_dir, dtype
-        self.env = dict(env or {})
-        self.tensor_parallel = tensor_parallel
-        if tensor_parallel > 1:
-            # vLLM CPU binds each TP rank's OpenMP threads to its own cores: one core each here.
-            self.env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                                "|".join(str(r) for r in range(tensor_parallel)))
-        self.buffer_size_bytes = buffer_size_bytes
-        self.epoch_timeout_s = epoch_timeout_s
-        self.server: VLLMServer | None = None
-        self.shim = None
-        self.fleet = None
-        self._link = None
-        self._link_info: list | None = None
-
-    def start(self) -> Rig:
-        # vllm_command passes --dtype float32; vLLM's parser lets the later --dtype win.
-        extra = () if self.dtype == "float32" else ("--dtype", self.dtype)
-        if self.tensor_parallel > 1:
-            extra += ("--tensor-parallel-size", str(self.tensor_parallel))
-        self.server = VLLMServer(self.model_dir, log_path=self.pool.log_dir / f"{self.name}.log",
-                                 extra_args=extra, env=self.env)
-        self.pool.started.append(self.server)
-        self.server.start()
-        return self
-
-    def ready(self, timeout_s: float = 300.0) -> Rig:
-        from refit_grpc.driver import Fleet, WorkerEndpoint
-        from refit_grpc.shim.process import spawn_shim
-
-        if self.server is None:
-            self.start()
-        if self.shim is None:
-            self.server.wait_ready(timeout_s)
-            self.shim = spawn_shim("--engine", "vllm", "--engine-url", self.server.url,
-                                   "--instance-id", self.name, "--buffer-size-bytes",
-                                   str(self.buffer_size_bytes), "--num-buffers", "2",
-                                   "--max-epoch-s", str(self.epoch_timeout_s))
-            self.fleet = Fleet([WorkerEndpoint(self.shim.instance_id, self.shim.address)],
-                               engine_world_size=self.tensor_parallel,
-                               control_timeout_s=30, join_timeout_s=60,
-                               epoch_timeout_s=self.epoch_timeout_s)
-        return self
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def refit(self, tensors: dict, version: int, canary=None):
-        """One `Fleet.refit` (with its Flush, and the canary when given); a new plan, or a failed
-        epoch, forms a new group first."""
-        info = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
-        if self._link is None or info != self._link_info:
-            self._close_link()
-            self.fleet.prepare({n: (shape, dtype) for n, shape, dtype in info})
-            self._link, self._link_info = self.fleet.connect("127.0.0.1"), info
-        try:
-            return self.fleet.refit(self._link, tensors, version=version, canary=canary)
-        except BaseException:
-            self._close_link()
-            raise
-
-    def _close_link(self) -> None:
-        link, self._link, self._link_info = self._link, None, None
-        if link is not None:
-            link.close()
-
-    def close(self) -> list[int]:
-        """Stop fleet, shim and server (again: a no-op); returns the pids of the server that
-        survived."""
-        self._close_link()
-        fleet, shim, self.fleet, self.shim = self.fleet, self.shim, None, None
-        if fleet is not None:
-            fleet.close()
-        if shim is not None:
-            shim.stop()
-        if self.server is None:
-            return []
-        self.server.stop()
-        return self.server.group_pids()
 
 
 FP32_TOL = 2e-3  # measured: <= 7e-7 before and after every refit (tied and untied)
