@@ -19,7 +19,6 @@ def _shim(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     import torch
 
-    from refit_grpc.models.tiny_lm import TinyLMConfig
     from refit_grpc.shim.auth import (
         ExposureError,
         TlsFiles,
@@ -35,16 +34,13 @@ def _shim(args: argparse.Namespace) -> int:
     # only spin against the trainer and the other shims for the machine's cores.
     torch.set_num_threads(args.torch_threads)
     packing = Packing(args.buffer_size_bytes, args.num_buffers)
-    options: dict = {"packing": packing}
-    if args.engine == "reference":
-        options["model"] = None if args.model == "none" else TinyLMConfig()
-        options["seed"] = args.seed
-    else:
-        options["url"] = args.engine_url
+    options: dict[str, str] = {}
     for item in args.engine_option:
         key, _, value = item.partition("=")
-        options[key.replace("-", "_")] = value
-    engine = create_engine(args.engine, **options)
+        options[key] = value
+    # The flags that name an engine option go to the engine whose options have it.
+    engine = create_engine(args.engine, packing, **options, flags={
+        "url": args.engine_url, "model": args.model, "seed": args.seed})
     import ipaddress
 
     for cidr in args.allow_master:
@@ -155,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="where the engine's own server listens (vllm: its OpenAI server; "
                            "dynamo: the worker's system_url)")
     shim.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                      help="engine-specific option, passed to the engine's constructor")
+                      help="engine-specific option, parsed by the engine's options class")
     shim.add_argument("--model", choices=["tiny-lm", "none"], default="tiny-lm",
                       help="reference engine: the tiny LM, or a plain tensor store")
     shim.add_argument("--seed", type=int, default=0)

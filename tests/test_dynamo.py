@@ -36,7 +36,6 @@ pytestmark = pytest.mark.timeout(900)
 from refit_grpc import EpochFailedError, FleetError, MembershipChangedError  # noqa: E402
 from refit_grpc.common import Deadline  # noqa: E402
 from refit_grpc.driver import Fleet, WorkerEndpoint  # noqa: E402
-from refit_grpc.dynamo_info import join_limit_s  # noqa: E402
 from refit_grpc.errors import RefitError  # noqa: E402
 from refit_grpc.integrations.dynamo import DynamoDiscovery, ShimAddressing, read_workers  # noqa: E402
 from refit_grpc.proto import pb, pb_grpc  # noqa: E402
@@ -51,6 +50,7 @@ from refit_grpc.testing.dynamo import (  # noqa: E402
 from refit_grpc.testing.harness import DYNAMO  # noqa: E402
 from refit_grpc.testing.ports import unused_port  # noqa: E402
 from refit_grpc.testing.vllm import PROMPT, hf_greedy  # noqa: E402
+from refit_grpc.wire.dynamo import join_limit_s  # noqa: E402
 
 from vllm_support.truth import (  # noqa: E402
     SEQUENCE,

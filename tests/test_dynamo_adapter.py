@@ -15,7 +15,6 @@ import torch
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.driver.endpoint import WorkerEndpoint
-from refit_grpc.dynamo_info import join_limit_s
 from refit_grpc.errors import (
     CollectiveError,
     EngineUnavailableError,
@@ -28,6 +27,7 @@ from refit_grpc.integrations.dynamo import DynamoDiscovery, ShimAddressing, read
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.shim.engines import create_engine
 from refit_grpc.shim.engines.dynamo import DynamoEngine
+from refit_grpc.wire.dynamo import join_limit_s
 
 
 class FakeDynamo:
@@ -206,8 +206,8 @@ def test_a_worker_gone_mid_join_is_unavailable_and_named_gone(fake):
 def test_engine_url_must_be_loopback_unless_allowed():
     with pytest.raises(ValueError, match="loopback"):
         DynamoEngine("http://10.0.0.7:8081")
-    assert DynamoEngine("http://10.0.0.7:8081", allow_remote_engine="true").url == \
-        "http://10.0.0.7:8081"
+    assert create_engine("dynamo", url="http://10.0.0.7:8081",
+                         allow_remote_engine="true").url == "http://10.0.0.7:8081"
 
 
 # --- discovery --------------------------------------------------------------------------------

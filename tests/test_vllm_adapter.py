@@ -31,7 +31,7 @@ from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.shim.engines import create_engine
 from refit_grpc.shim.engines.vllm import VLLMEngine
 from refit_grpc.shim.process import spawn_shim
-from refit_grpc.vllm_info import applied_marker
+from refit_grpc.wire.vllm import applied_marker
 
 PLAN = RefitPlan((TensorSpec("model.norm.weight", (8,), torch.float32),),
                  Packing(16, 2))
@@ -130,7 +130,7 @@ def scripted():
 def test_engine_url_must_be_loopback_unless_allowed():
     with pytest.raises(ValueError, match="loopback"):
         VLLMEngine("http://10.1.2.3:8000")
-    VLLMEngine("http://10.1.2.3:8000", allow_remote_engine="true")
+    create_engine("vllm", url="http://10.1.2.3:8000", allow_remote_engine="true")
     assert create_engine("vllm", url="http://localhost:8000").kind == "vllm"
 
 

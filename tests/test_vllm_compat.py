@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.packed_tensor import (  # noqa: E402
 from refit_grpc.collective import as_tensor, pack_into, unpack  # noqa: E402
 from refit_grpc.common import GroupSpec  # noqa: E402
 from refit_grpc.plan import Packing, RefitPlan  # noqa: E402
-from refit_grpc.vllm_info import init_info_for, update_info_for  # noqa: E402
+from refit_grpc.wire.vllm import init_info_for, update_info_for  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int64,
           torch.bool, torch.int32, torch.float64]

@@ -34,7 +34,7 @@ from refit_grpc.driver.nccl import UNIQUE_ID_KEY, NcclSender, open_rendezvous  #
 from refit_grpc.errors import InvalidArgumentError  # noqa: E402
 from refit_grpc.plan import Packing, RefitPlan  # noqa: E402
 from refit_grpc.testing.ports import free_port  # noqa: E402
-from refit_grpc.vllm_info import nccl_init_info, update_info_for, worker_ranks  # noqa: E402
+from refit_grpc.wire.vllm import nccl_init_info, update_info_for, worker_ranks  # noqa: E402
 
 
 def model_like_tensors(seed: int = 0) -> dict[str, torch.Tensor]:

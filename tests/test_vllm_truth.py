@@ -184,7 +184,7 @@ def test_update_info_keeps_both_names_of_a_tied_parameter_for_either_backend():
     by these names and shapes (vLLM's nccl consumer too), and the gloo worker decides which of
     the two names it loads (docs/vllm.md, Tied embeddings)."""
     from refit_grpc.plan import Packing, RefitPlan
-    from refit_grpc.vllm_info import update_info_for
+    from refit_grpc.wire.vllm import update_info_for
 
     plan = RefitPlan.from_state_dict_info({"model.embed_tokens.weight": ((8, 4), torch.float32),
                                            "lm_head.weight": ((8, 4), torch.float32)},

@@ -12,7 +12,7 @@ for this path only):
     rendezvous   StatelessProcessGroup.create(ip, port, rank=0, world_size) + PyNcclCommunicator
     wire         the plan's buckets (`RefitPlan.buckets`, vLLM's packing rule), packed by
                  `collective.pack_into`, one ncclBroadcast from rank 0 per bucket, in plan order
-    worker side  /init_weight_transfer_engine with `vllm_info.init_info_for(...)`: packed=true
+    worker side  /init_weight_transfer_engine with `wire.vllm.init_info_for(...)`: packed=true
                  and the plan's buffer size and count, so vLLM's consumer cuts the same buckets
 
 With a `Fleet(backend="nccl")` of shims in front of vLLM engines started with

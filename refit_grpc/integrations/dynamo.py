@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit_grpc.driver.endpoint import DEFAULT_SHIM_PORT, WorkerEndpoint, shim_address_on_host
-from refit_grpc.dynamo_info import DISCOVERY_PATH, DISCOVERY_PROTOCOL_VERSION
 from refit_grpc.errors import (
     EngineUnavailableError,
     FailedPreconditionError,
@@ -50,6 +49,7 @@ from refit_grpc.errors import (
     RefitError,
 )
 from refit_grpc.reasons import Reason
+from refit_grpc.wire.dynamo import DISCOVERY_PATH, DISCOVERY_PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from refit_grpc import dynamo_info
 from refit_grpc.testing.ports import free_port
 from refit_grpc.testing.vllm import SERVED_MODEL, VLLMServer, build_tiny_llama, http_json
+from refit_grpc.wire import dynamo as dynamo_info
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "REFIT_GRPC_DYNAMO_PYTHON"

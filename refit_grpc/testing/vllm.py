@@ -329,7 +329,7 @@ def direct_cycle(url: str, group, plan, tensors, version: int, timeout_s: float 
     flush: pause(wait), reset the prefix cache, resume. Returns its wall time."""
     from refit_grpc.collective import Sender
     from refit_grpc.common import Deadline
-    from refit_grpc.vllm_info import update_info_for
+    from refit_grpc.wire.vllm import update_info_for
 
     def post(path: str, body: Any = None) -> Any:
         status, reply = http_json("POST", url, path, body, timeout_s)
@@ -360,7 +360,7 @@ def direct_group(url: str, plan):
     """Form a gloo group with the engine by posting /init_weight_transfer_engine directly."""
     from refit_grpc.collective import Group, bind_master_store
     from refit_grpc.common import GroupSpec
-    from refit_grpc.vllm_info import init_info_for
+    from refit_grpc.wire.vllm import init_info_for
 
     store = bind_master_store("127.0.0.1", 0, 2, 30.0)  # listening before vLLM is told where
     port = store.port

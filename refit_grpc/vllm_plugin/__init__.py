@@ -11,7 +11,7 @@ there is no reason to make it try), and costs one dictionary lookup when vLLM is
 
 Only code that runs inside vLLM lives here. The trainer's side is the driver's (`Fleet.connect` and
 `Fleet.refit`, with `refit_grpc.driver.nccl` for vLLM's own `nccl` backend); what the routes take is
-`refit_grpc.vllm_info`.
+`refit_grpc.wire.vllm`.
 """
 
 from __future__ import annotations

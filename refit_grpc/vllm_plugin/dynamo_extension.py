@@ -11,10 +11,11 @@ keys>)`), with these defaults, which vLLM's workers do not have; this class prov
     update_weights_from_distributed -> update_weights_from_path(**update)  start, receive, finish
     destroy_weights_update_group    -> destroy_broadcaster()               drop the group
 
-The bodies are what the vLLM shim sends vLLM's own routes (`refit_grpc.vllm_info.init_info_for`,
-`update_info_for`), and the work is the project's gloo backend's: `layerwise.LayerwiseReceiver`
-(the group from `refit_grpc.collective.Group.join`, the packed buckets of `refit_grpc.plan`, the
-receive loop `refit_grpc.collective.receive`, vLLM's layerwise reload with rollback on failure,
+The bodies are what the vLLM shim sends vLLM's own routes (`refit_grpc.wire.vllm.init_info_for`,
+`update_info_for`, parsed here as `GlooInitInfo` / `GlooUpdateInfo`), and the work is the
+project's gloo backend's: `layerwise.LayerwiseReceiver` (the group from
+`refit_grpc.collective.Group.join`, the packed buckets of `refit_grpc.plan`, the receive loop
+`refit_grpc.collective.receive`, vLLM's layerwise reload with rollback on failure,
 a tied output projection re-processed after the reload, and the abort key in the trainer's
 TCPStore, polled during a receive). One update is one call here (Dynamo has no start and finish
 routes), so a failure ends with the rollback and the `refit_grpc[applied=A/B]` marker in the
@@ -29,7 +30,7 @@ GPU engines: this extension speaks gloo (CPU tensors). On GPUs, vLLM 0.31's own 
 Dynamo's (`engine_rpc` naming vLLM's weight-transfer methods); see docs/dynamo.md.
 
 Runs inside vLLM 0.31 in Dynamo's environment: imports only the project's pure layers (common,
-plan, collective, vllm_info and dynamo_info), never gRPC or the shim.
+plan, collective and wire), never gRPC or the shim.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from refit_grpc.dynamo_info import INIT_TIMEOUT_DEFAULT_S, INIT_TIMEOUT_ENV, join_limit_s
+from refit_grpc.wire.dynamo import INIT_TIMEOUT_DEFAULT_S, INIT_TIMEOUT_ENV, join_limit_s
 
 log = logging.getLogger("vllm.refit_grpc")
 
@@ -63,7 +64,8 @@ class RefitGlooWorkerExtension:
         model_runner: Any
 
     def init_broadcaster(self, **init_info: Any) -> dict[str, Any]:
-        from refit_grpc.vllm_plugin.layerwise import GlooInitInfo, worker_rank
+        from refit_grpc.vllm_plugin.layerwise import worker_rank
+        from refit_grpc.wire.vllm import GlooInitInfo
 
         info = GlooInitInfo(**init_info)
         limit = join_limit_s(dynamo_init_limit_s())
@@ -85,8 +87,7 @@ class RefitGlooWorkerExtension:
     def update_weights_from_path(self, **update_info: Any) -> dict[str, Any]:
         from vllm.config import set_current_vllm_config
 
-        from refit_grpc.vllm_info import applied_marker
-        from refit_grpc.vllm_plugin.layerwise import GlooUpdateInfo
+        from refit_grpc.wire.vllm import GlooUpdateInfo, applied_marker
 
         update = GlooUpdateInfo(**update_info)
         receiver = self._refit_grpc_receiver()

@@ -33,14 +33,13 @@ from vllm.distributed.weight_transfer.base import (
 
 from refit_grpc.collective import Group
 from refit_grpc.vllm_plugin.layerwise import (  # noqa: F401  (TiedRoutes: re-exported)
-    GlooInitInfo,
-    GlooUpdateInfo,
     LayerwiseReceiver,
     TiedHead,
     TiedRoutes,
     tied_heads,
     worker_rank,
 )
+from refit_grpc.wire.vllm import GlooInitInfo, GlooUpdateInfo
 
 
 @dataclass(kw_only=True)

@@ -33,7 +33,7 @@ An update can be aborted from outside the worker: the shim sets the update's `ab
 trainer's TCPStore, which the receive polls (vLLM runs worker RPCs one at a time, so no other
 call can reach a worker blocked inside a receive).
 
-Imports only the project's pure layers (common, plan, collective, vllm_info) and vLLM's model
+Imports only the project's pure layers (common, plan, collective, wire) and vLLM's model
 classes, which vLLM 0.31 and 0.32 share; vLLM's loader modules are imported where used.
 """
 
@@ -57,89 +57,19 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 from refit_grpc.collective import Group, receive
 from refit_grpc.common import Deadline, GroupSpec
-from refit_grpc.plan import (
-    DEFAULT_BUFFER_SIZE_BYTES,
-    DEFAULT_NUM_BUFFERS,
-    Bucket,
-    Packing,
-    RefitPlan,
-    TensorSpec,
-    dtype_from_name,
-)
-from refit_grpc.vllm_info import applied_marker
+from refit_grpc.plan import Bucket, TensorSpec
 from refit_grpc.vllm_plugin.moe import ExpertsReprocessing
+from refit_grpc.wire.vllm import GlooInitInfo, GlooUpdateInfo, applied_marker
+from refit_grpc.wire.vllm import worker_rank as wire_worker_rank
 
 log = logging.getLogger("vllm.refit_grpc")
 
 
-@dataclass(kw_only=True)
-class GlooInitInfo:
-    """What a worker needs to join the group: `refit_grpc.vllm_info.init_info_for`'s dict."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int  # this engine's first rank; worker rank = dp * (tp * pp) + rank + offset
-    world_size: int
-    group_id: str = "refit"  # the PrefixStore is refit_grpc/<group_id>, as in Group.join
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
-    timeout_s: float = 600.0  # rendezvous, and each update without its own timeout_s
-
-    def __post_init__(self) -> None:
-        if not self.packed:
-            raise ValueError("the refit_grpc gloo backend speaks vLLM's packed format only "
-                             "(packed=true)")
-        if self.rank_offset < 1:
-            raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer), "
-                             f"got {self.rank_offset}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        self.packing.validate()
-
-    @property
-    def packing(self) -> Packing:
-        return Packing(int(self.packed_buffer_size_bytes), int(self.packed_num_buffers))
-
-
-@dataclass
-class GlooUpdateInfo:
-    """One update: the plan in vLLM's field names (`vllm_info.update_info_for`), plus a
-    deadline, the digest both sides must agree on and the key that aborts it."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    timeout_s: float | None = None  # this update's deadline (the shim passes its epoch's)
-    plan_digest: str | None = None  # if set, the plan rebuilt here must have exactly this digest
-    # A key in the trainer's TCPStore: once someone sets it, this receive gives up at once.
-    abort_key: str | None = None
-
-    def __post_init__(self) -> None:
-        n = len(self.names)
-        if len(self.dtype_names) != n or len(self.shapes) != n:
-            raise ValueError(f"names/dtype_names/shapes lengths differ: {n}/"
-                             f"{len(self.dtype_names)}/{len(self.shapes)}")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-
-    def plan(self, packing: Packing) -> RefitPlan:
-        specs = tuple(TensorSpec(name, tuple(int(d) for d in shape), dtype_from_name(dt))
-                      for name, dt, shape in zip(self.names, self.dtype_names, self.shapes))
-        plan = RefitPlan(specs, packing)
-        plan.validate()
-        if self.plan_digest and plan.digest != self.plan_digest:
-            raise ValueError(f"plan digest {plan.digest[:16]} != the sender's "
-                             f"{self.plan_digest[:16]}: the two sides would cut buckets "
-                             "differently")
-        return plan
-
-
 def worker_rank(parallel_config: Any, rank_offset: int) -> int:
-    """This worker's rank in the group, by vLLM's rule (`nccl_common.worker_init_process_group`):
-    unique across data-parallel replicas, `dp_index * (tp * pp) + rank + rank_offset`."""
+    """This worker's rank in the group: `refit_grpc.wire.vllm.worker_rank` of vLLM's parallel
+    config (its rank within the engine, tensor x pipeline size, data-parallel index)."""
     pc = parallel_config
-    return pc.data_parallel_index * pc.world_size + pc.rank + rank_offset
+    return wire_worker_rank(rank_offset, pc.rank, pc.world_size, pc.data_parallel_index)
 
 
 class LayerwiseReceiver:

@@ -5,10 +5,14 @@ Two modes:
   pause gate with vLLM's three modes (keep, wait, abort). The demo and Flush tests use it.
 - store (`model=None`): a plain name -> tensor store that adopts whatever layout the plan gives;
   the byte-exactness tests use it to cover every dtype and shape.
+
+Options (`ReferenceOptions`): `model` (tiny-lm or none; the shim's `--model` flag) and `seed` (the
+tiny LM's initial weights; `--seed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +33,7 @@ from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
 from refit_grpc.plan import Bucket, Packing, RefitPlan, TensorSpec, weights_digest
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import Engine, EngineStatus
+from refit_grpc.shim.engines.options import EngineKind, EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -336,3 +341,27 @@ class ReferenceEngine(Engine):
 
     def tensor(self, name: str) -> torch.Tensor:
         return self._weights[name]
+
+
+MODELS = ("tiny-lm", "none")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReferenceOptions(EngineOptions):
+    """The reference engine's options: the tiny LM or a plain tensor store, and the LM's seed."""
+
+    model: str = "tiny-lm"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+
+
+def _build(options: ReferenceOptions, packing: Packing) -> ReferenceEngine:
+    return ReferenceEngine(model=None if options.model == "none" else TinyLMConfig(),
+                           seed=options.seed, packing=packing)
+
+
+ENGINE = EngineKind(ReferenceOptions, _build)

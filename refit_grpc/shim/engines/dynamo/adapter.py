@@ -6,8 +6,10 @@ through its system server's RL admin routes, `{system_url}/engine/<route>`.
 The receive is done inside the worker by the project's vLLM worker extension
 (`refit_grpc.vllm_plugin.dynamo_extension.RefitGlooWorkerExtension`, started with
 `--worker-extension-cls`), to which Dynamo forwards the weight-transfer routes; this module only
-translates the shim's engine calls into those routes (`refit_grpc.dynamo_info` builds the
-bodies), over the vLLM engine's cancellable HTTP client:
+translates the shim's engine calls into those routes (`refit_grpc.wire.dynamo` builds the
+bodies), over the shared cancellable HTTP client (`refit_grpc.shim.engines.http_client`). The
+lifecycle every HTTP engine shares (options, the loopback rule, paused/receiving state, the
+abort key, the background teardown) is `HttpEngine`'s; this module holds Dynamo's routes only:
 
     status          POST liveness_probe (the engine's own health check), 2 s cap
     pause(mode)     POST pause_generation {"mode": keep|wait|abort, "clear_cache": true}
@@ -29,7 +31,7 @@ reports it unhealthy, so the shim's health goes NOT_SERVING.
 Group init and Dynamo's shutdown: Dynamo kills the whole worker (`os._exit(1)`) when
 `init_weights_update_group` outlives `DYN_RL_INIT_WEIGHTS_TIMEOUT_S` (30 s default). The shim
 never lets a join run that long: the worker's join timeout is bounded by
-`dynamo_info.join_limit_s(init_weights_timeout_s)` (engine option, which must match the worker's
+`wire.dynamo.join_limit_s(init_weights_timeout_s)` (engine option, which must match the worker's
 environment; 30 s by default), so a trainer that never comes gives RENDEZVOUS_TIMEOUT and a live
 worker. The extension applies the same bound from the worker's own environment. Should the
 worker die anyway, the call fails ENGINE_UNAVAILABLE with that cause named, and health goes
@@ -38,17 +40,14 @@ NOT_SERVING.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import threading
-import uuid
 from collections.abc import Callable
 from typing import Any
 
-from refit_grpc import dynamo_info as routes
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
-    CollectiveError,
     EngineUnavailableError,
     EpochAbortedError,
     FailedPreconditionError,
@@ -58,26 +57,37 @@ from refit_grpc.errors import (
 )
 from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
-from refit_grpc.shim.engines.base import Engine, EngineStatus
-from refit_grpc.shim.engines.vllm.adapter import _worker_timeout
-from refit_grpc.shim.engines.vllm.checkpoint import CheckpointIndex
-from refit_grpc.shim.engines.vllm.http import (
+from refit_grpc.shim.engines.base import EngineStatus
+from refit_grpc.shim.engines.http_client import (
     CallKind,
-    EngineHttpClient,
     Reply,
     error_text,
-    is_loopback,
-    is_timeout_text,
+    status_error,
+    worker_error,
 )
-from refit_grpc.vllm_info import APPLIED_RE
+from refit_grpc.shim.engines.http_engine import HttpEngine, HttpEngineOptions, worker_timeout
+from refit_grpc.shim.engines.options import EngineKind
+from refit_grpc.wire import dynamo as routes
 
 log = logging.getLogger(__name__)
 
 
-def _truthy(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DynamoOptions(HttpEngineOptions):
+    """The dynamo engine's options: `HttpEngineOptions`, Dynamo's group-init limit (must match
+    the worker's DYN_RL_INIT_WEIGHTS_TIMEOUT_S) and the ranks the worker takes."""
+
+    url: str = "http://127.0.0.1:8081"
+    init_weights_timeout_s: float = routes.INIT_TIMEOUT_DEFAULT_S
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.init_weights_timeout_s > 0:
+            raise ValueError(f"init_weights_timeout_s must be > 0, got "
+                             f"{self.init_weights_timeout_s}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
 
 
 def dynamo_error(reply: Reply, what: str, kind: CallKind) -> RefitError:
@@ -86,14 +96,10 @@ def dynamo_error(reply: Reply, what: str, kind: CallKind) -> RefitError:
     text = error_text(reply.body.get("message", reply.body)
                       if isinstance(reply.body, dict) else reply.body)
     where = f"{what} answered HTTP {reply.status}: {text}"
-    if reply.status == 404:
-        return FailedPreconditionError(
-            f"{where} (start the worker with --enable-rl for the /engine routes)",
-            reason=Reason.ENGINE_ROUTE_MISSING)
-    if reply.status in (400, 422):
-        return InvalidArgumentError(where, reason=Reason.ENGINE_REJECTED)
-    if reply.status == 503:
-        return EngineUnavailableError(where)
+    by_status = status_error(reply.status, where,
+                             "start the worker with --enable-rl for the /engine routes")
+    if by_status is not None:
+        return by_status
     if "must be paused" in text:
         return FailedPreconditionError(where, reason=Reason.NOT_PAUSED)
     if "has no attribute" in text and any(rpc in text for rpc in (
@@ -101,66 +107,32 @@ def dynamo_error(reply: Reply, what: str, kind: CallKind) -> RefitError:
         return FailedPreconditionError(
             f"{where} (start the worker with --worker-extension-cls {routes.WORKER_EXTENSION})",
             reason=Reason.WEIGHT_TRANSFER_NOT_CONFIGURED)
-    if kind is CallKind.JOIN:
-        if is_timeout_text(text):
-            return RefitTimeoutError(where, reason=Reason.RENDEZVOUS_TIMEOUT)
-        return CollectiveError(where, reason=Reason.RENDEZVOUS_FAILED)
-    if kind is CallKind.RECEIVE:
-        if "abort requested" in text or "aborted" in text.lower():
-            return EpochAbortedError(where, reason=Reason.EPOCH_ABORTED)
-        if is_timeout_text(text):
-            return RefitTimeoutError(where)
-        return CollectiveError(where)
-    return FailedPreconditionError(where, reason=Reason.ENGINE_ERROR)
+    return worker_error(where, text, kind, abort_text=True)
 
 
-class DynamoEngine(Engine):
+class DynamoEngine(HttpEngine):
     kind = "dynamo"
+    options_cls = DynamoOptions
+    engine_name = "Dynamo worker"
+    admin_routes = "Dynamo's /engine routes"
+    reached = "worker"
+    teardown_route = routes.DESTROY_GROUP
+    options: DynamoOptions
 
-    def __init__(self, url: str = "http://127.0.0.1:8081", packing: Packing = Packing(), *,
-                 request_timeout_s: float | str = 30.0, status_timeout_s: float | str = 2.0,
-                 abort_grace_s: float | str = 3.0,
-                 init_weights_timeout_s: float | str = routes.INIT_TIMEOUT_DEFAULT_S,
-                 world_size: int | str = 1, checkpoint_dir: str | None = None,
-                 allow_remote_engine: bool | str = False):
-        self.request_timeout_s = float(request_timeout_s)
-        self.status_timeout_s = float(status_timeout_s)
-        self.abort_grace_s = float(abort_grace_s)
-        self.init_weights_timeout_s = float(init_weights_timeout_s)
-        if not self.init_weights_timeout_s > 0:
-            raise ValueError(f"init_weights_timeout_s must be > 0, got {init_weights_timeout_s}")
-        self._world_size = int(world_size)
-        if self._world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self._http = EngineHttpClient(url, request_timeout_s=self.request_timeout_s,
-                                      abort_grace_s=self.abort_grace_s, name="Dynamo worker",
-                                      error_mapper=dynamo_error)
-        if not is_loopback(self._http.host) and not _truthy(allow_remote_engine):
-            raise ValueError(
-                f"engine url {url!r} is not loopback: Dynamo's /engine routes are "
-                "unauthenticated, so the shim reaches its worker on loopback only (engine "
-                "option allow_remote_engine=true overrides)")
-        self.url = self._http.url
-        self.offered_packing = packing
-        self.checkpoint_dir = checkpoint_dir
-        self._checkpoint: CheckpointIndex | None = None
-        self._lock = threading.Lock()
-        self._paused = False          # last known: Dynamo has no route that reports it
-        self._group: GroupSpec | None = None
-        self._receiving = False
-        self._touched = False         # weights may differ from the last committed version
-        self._cleanup_thread: threading.Thread | None = None
+    def __init__(self, url: str | None = None, packing: Packing = Packing(), *,
+                 options: DynamoOptions | None = None, **fields: Any):
+        super().__init__(url, packing, options=options, **fields)
+        self.init_weights_timeout_s = self.options.init_weights_timeout_s
+        self._world_size = self.options.world_size
+
+    def _error_for(self, reply: Reply, what: str, kind: CallKind) -> RefitError:
+        return dynamo_error(reply, what, kind)
 
     # --- the engine interface --------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
         return self._world_size
-
-    @property
-    def partial_on_failure(self) -> bool:
-        with self._lock:
-            return self._receiving or self._touched
 
     @property
     def join_limit_s(self) -> float:
@@ -181,27 +153,17 @@ class DynamoEngine(Engine):
         names it (Dynamo's routes do not say where the model lives)."""
         if self.checkpoint_dir is None:
             return
-        if self._checkpoint is None:
-            try:
-                self._checkpoint = CheckpointIndex.read(self.checkpoint_dir)
-            except (OSError, ValueError) as e:
-                log.warning("plan names not checked: cannot read %s (%s)", self.checkpoint_dir, e)
-                return
-        index = self._checkpoint
+        index = self._read_checkpoint(self.checkpoint_dir)
         if index is None:
             return
         index.check_plan(plan, engine="Dynamo's vLLM worker")
 
-    def pause(self, mode: PauseMode, deadline: Deadline) -> None:
+    def _post_pause(self, mode: PauseMode, deadline: Deadline) -> None:
         self._post(routes.PAUSE, {"mode": mode.value, "clear_cache": True}, deadline,
                    cap_s=math.inf if mode is PauseMode.WAIT else None)
-        with self._lock:
-            self._paused = True
 
-    def resume(self, deadline: Deadline) -> None:
+    def _post_resume(self, deadline: Deadline) -> None:
         self._post(routes.RESUME, {}, deadline)
-        with self._lock:
-            self._paused = False
 
     def reset_cache(self, deadline: Deadline) -> bool:
         self._post(routes.FLUSH_CACHE, {}, deadline)
@@ -216,11 +178,11 @@ class DynamoEngine(Engine):
 
     def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:
         self.check_backend(spec.backend)
-        self._join_cleanup(deadline)
+        self._join_teardown(deadline)
         self._post(routes.DESTROY_GROUP, routes.destroy_body(), deadline)
         left = deadline.check(routes.INIT_GROUP)
         limit = self.join_limit_s
-        timeout = min(_worker_timeout(left), limit)
+        timeout = min(worker_timeout(left), limit)
         body = routes.init_body(spec, plan, timeout)
         try:
             self._post(routes.INIT_GROUP, body, deadline, kind=CallKind.JOIN,
@@ -248,52 +210,28 @@ class DynamoEngine(Engine):
             left = deadline.check(routes.UPDATE_DISTRIBUTED)
             if gen != self._http.generation:
                 raise EpochAbortedError("aborted before the update", reason=Reason.EPOCH_ABORTED)
-            abort_key = (f"refit_grpc/{group.group_id}/abort/{uuid.uuid4().hex}"
-                         if group is not None else None)
-            body = routes.update_body(plan, _worker_timeout(left), abort_key)
+            abort_key = self._abort_key(group)
+            body = routes.update_body(plan, worker_timeout(left), abort_key)
             try:
-                self._post(routes.UPDATE_DISTRIBUTED, body, deadline, kind=CallKind.RECEIVE,
-                           cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen,
-                           on_cancel=(lambda: self._signal_abort(group, abort_key))
-                           if group is not None and abort_key else None)
-            except RefitError as e:
-                m = APPLIED_RE.search(e.message)
-                if m and int(m.group(1)) == 0:
-                    with self._lock:
-                        self._touched = False  # rolled back with nothing loaded
-                if isinstance(e, EngineUnavailableError):
-                    raise self._gone(e, f"during {routes.UPDATE_DISTRIBUTED}") from e
-                raise
-            if deadline.cancel.is_set() or gen != self._http.generation:
-                raise EpochAbortedError("the update finished after an abort; not committing",
-                                        reason=Reason.EPOCH_ABORTED)
+                self._watched_receive(
+                    lambda on_cancel: self._post(
+                        routes.UPDATE_DISTRIBUTED, body, deadline, kind=CallKind.RECEIVE,
+                        cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen,
+                        on_cancel=on_cancel),
+                    "the update", deadline, gen, group, abort_key)
+            except EngineUnavailableError as e:
+                raise self._gone(e, f"during {routes.UPDATE_DISTRIBUTED}") from e
         finally:
             with self._lock:
                 self._receiving = False
         for bucket in plan.buckets:
             on_bucket(bucket)
 
-    def finish(self, version: int, deadline: Deadline) -> str:
+    def _post_finish(self, version: int, deadline: Deadline) -> None:
         self._post(routes.SET_VERSION, {"weight_version": version}, deadline)
-        with self._lock:
-            self._touched = False
-        return ""
 
-    def abort_transfer(self) -> None:
-        self._http.cancel_pending()
-        with self._lock:
-            if self._cleanup_thread is not None and self._cleanup_thread.is_alive():
-                return
-            thread = threading.Thread(target=self._background_destroy, daemon=True,
-                                      name="dynamo-destroy-group")
-            self._cleanup_thread = thread
-        thread.start()
-
-    def close(self) -> None:
-        self.abort_transfer()
-        thread = self._cleanup_thread
-        if thread is not None:
-            thread.join(min(self.request_timeout_s, 5.0))
+    def _teardown(self, deadline: Deadline) -> None:
+        self._post(routes.DESTROY_GROUP, routes.destroy_body(), deadline)
 
     # --- extras for trainers, tests and the demo -------------------------------------------
 
@@ -323,31 +261,5 @@ class DynamoEngine(Engine):
         state = "still answers its liveness probe" if alive else "is gone (no liveness answer)"
         return EngineUnavailableError(f"{error.message}; the worker {state} {context}")
 
-    def _signal_abort(self, group: GroupSpec, key: str) -> None:
-        """Set the update's abort key in the trainer's TCPStore: the only way to reach a worker
-        blocked inside the update (Dynamo serialises the weight routes, and vLLM runs worker
-        RPCs one at a time). Best effort, bounded."""
-        from refit_grpc.collective import set_store_key  # torch, only when it is needed
 
-        if set_store_key(group.master_address, group.master_port, key,
-                         min(self.abort_grace_s, 2.0)):
-            log.info("abort key set for the worker: %s", key)
-        else:
-            log.info("abort key not set: the worker fails with the trainer")
-
-    def _background_destroy(self) -> None:
-        try:
-            self._post(routes.DESTROY_GROUP, routes.destroy_body(),
-                       Deadline(self.request_timeout_s))
-        except RefitError as e:
-            log.info("background destroy_weights_update_group: %s", e)
-
-    def _join_cleanup(self, deadline: Deadline) -> None:
-        """A destroy posted by an earlier abort must reach the worker before the next init."""
-        thread = self._cleanup_thread
-        if thread is not None and thread.is_alive():
-            thread.join(max(min(deadline.remaining(), self.request_timeout_s), 0.0))
-            if thread.is_alive():
-                raise EngineUnavailableError("the previous destroy_weights_update_group is "
-                                             "still unanswered")
-
+ENGINE = EngineKind(DynamoOptions, DynamoEngine.from_options)

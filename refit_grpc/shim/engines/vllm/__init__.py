@@ -1,6 +1,6 @@
-"""The vLLM engine behind a shim: `adapter.py` (the Engine, vLLM's admin routes), `http.py` (the
-cancellable HTTP client), `checkpoint.py` (the names vLLM loads, from its checkpoint)."""
+"""The vLLM engine behind a shim: `adapter.py` (the Engine: vLLM's admin routes, on the shared
+`refit_grpc.shim.engines.http_engine.HttpEngine`)."""
 
-from refit_grpc.shim.engines.vllm.adapter import VLLMEngine
+from refit_grpc.shim.engines.vllm.adapter import VLLMEngine, VLLMOptions
 
-__all__ = ["VLLMEngine"]
+__all__ = ["VLLMEngine", "VLLMOptions"]

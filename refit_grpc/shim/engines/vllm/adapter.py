@@ -24,8 +24,12 @@ only translates the shim's engine calls into HTTP calls (standard library only):
                     reach a worker inside a receive), answers within `abort_grace_s` with what
                     it applied, or the shim stops waiting for it
 
+The lifecycle every HTTP engine shares (options, the loopback rule, paused/receiving state, the
+abort key, the background teardown) is `HttpEngine`'s (`refit_grpc.shim.engines.http_engine`);
+this module holds vLLM's routes only.
+
 Rules:
-- every call is bounded (`http.py`: the timeout comes from the caller's Deadline; no answer at
+- every call is bounded (`http_client.py`: the timeout comes from the caller's Deadline; no answer at
   the cap is UNAVAILABLE, at the deadline DEADLINE_EXCEEDED). Nothing here waits without a bound.
 - the engine's admin routes are unauthenticated (`--api-key` covers /v1 only), so the engine URL
   must be loopback unless `allow_remote_engine=true`; the shim is the authenticated front door.
@@ -36,12 +40,11 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
-import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,60 +58,43 @@ from refit_grpc.errors import (
 )
 from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
-from refit_grpc.shim.engines.base import Engine, EngineStatus
-from refit_grpc.shim.engines.vllm.checkpoint import CheckpointIndex
-from refit_grpc.shim.engines.vllm.http import CallKind, EngineHttpClient, is_loopback
-from refit_grpc.vllm_info import APPLIED_RE, init_info_for, nccl_misalignment, update_info_for
+from refit_grpc.shim.engines.base import EngineStatus
+from refit_grpc.shim.engines.checkpoint import CheckpointIndex
+from refit_grpc.shim.engines.http_client import CallKind
+from refit_grpc.shim.engines.http_engine import HttpEngine, HttpEngineOptions, worker_timeout
+from refit_grpc.shim.engines.options import EngineKind
+from refit_grpc.wire.vllm import init_info_for, nccl_misalignment, update_info_for
 
 log = logging.getLogger(__name__)
 
 
-def _truthy(value: Any) -> bool:
-    """Engine options arrive as strings from `--engine-option key=value`."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VLLMOptions(HttpEngineOptions):
+    """The vllm engine's options: `HttpEngineOptions`, and whether check_plan checks names."""
+
+    url: str = "http://127.0.0.1:8000"
+    check_names: bool = True  # check the plan's names and shapes against the checkpoint
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(HttpEngine):
     kind = "vllm"
+    options_cls = VLLMOptions
+    engine_name = "vLLM"
+    admin_routes = "vLLM's admin routes"
+    reached = "engine"
+    teardown_route = "shutdown_weight_transfer_engine"
+    options: VLLMOptions
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", packing: Packing = Packing(), *,
-                 request_timeout_s: float | str = 30.0, status_timeout_s: float | str = 2.0,
-                 abort_grace_s: float | str = 3.0, checkpoint_dir: str | None = None,
-                 check_names: bool | str = True, allow_remote_engine: bool | str = False):
-        self.request_timeout_s = float(request_timeout_s)
-        self.status_timeout_s = float(status_timeout_s)
-        self.abort_grace_s = float(abort_grace_s)
-        self._http = EngineHttpClient(url, request_timeout_s=self.request_timeout_s,
-                                      abort_grace_s=self.abort_grace_s)
-        if not is_loopback(self._http.host) and not _truthy(allow_remote_engine):
-            raise ValueError(
-                f"engine url {url!r} is not loopback: vLLM's admin routes are unauthenticated, "
-                "so the shim reaches its engine on loopback only (engine option "
-                "allow_remote_engine=true overrides)")
-        self.url = self._http.url
-        self.offered_packing = packing
-        self.checkpoint_dir = checkpoint_dir
-        self.check_names = _truthy(check_names)
-        self._lock = threading.Lock()
-        self._paused = False          # last known; /is_paused cannot answer during a weight RPC
+    def __init__(self, url: str | None = None, packing: Packing = Packing(), *,
+                 options: VLLMOptions | None = None, **fields: Any):
+        super().__init__(url, packing, options=options, **fields)
+        self.check_names = self.options.check_names
         self._busy = 0                # init/update calls in flight (the EngineCore is inside one)
         self._world_size: int | None = None
         self._backend = "gloo"
-        self._group: GroupSpec | None = None
-        self._receiving = False
-        self._touched = False         # weights may differ from the last committed version
-        self._shutdown_thread: threading.Thread | None = None
-        self._checkpoint: CheckpointIndex | None = None
         self._model_name: str | None = None  # /v1/models id, for the canary's request
 
     # --- the engine interface --------------------------------------------------------------
-
-    @property
-    def partial_on_failure(self) -> bool:
-        with self._lock:
-            return self._receiving or self._touched
 
     @property
     def world_size(self) -> int:
@@ -179,18 +165,14 @@ class VLLMEngine(Engine):
             return
         index.check_plan(plan)
 
-    def pause(self, mode: PauseMode, deadline: Deadline) -> None:
+    def _post_pause(self, mode: PauseMode, deadline: Deadline) -> None:
         # Draining (wait) takes as long as the requests in flight: bounded by the deadline only.
         self._http.call("POST", "/pause", deadline, what=f"pause({mode.value})",
                         query={"mode": mode.value, "clear_cache": "true"},
                         cap_s=math.inf if mode is PauseMode.WAIT else None)
-        with self._lock:
-            self._paused = True
 
-    def resume(self, deadline: Deadline) -> None:
+    def _post_resume(self, deadline: Deadline) -> None:
         self._http.call("POST", "/resume", deadline, what="resume")
-        with self._lock:
-            self._paused = False
 
     def reset_cache(self, deadline: Deadline) -> bool:
         # vLLM refuses (success=false) while running requests still hold blocks; after a
@@ -215,10 +197,10 @@ class VLLMEngine(Engine):
                 raise InvalidPlanError(f"vLLM's nccl receiver cannot unpack this plan: {problem}"
                                        "; reorder the tensors (larger element sizes first)",
                                        reason=Reason.UNALIGNED_FOR_NCCL)
-        self._join_background_shutdown(deadline)
+        self._join_teardown(deadline)
         self._shutdown_transfer(deadline, end_stale_update=True)
         left = deadline.check("init_weight_transfer_engine")
-        info = init_info_for(spec, plan, _worker_timeout(left))
+        info = init_info_for(spec, plan, worker_timeout(left))
         with self._lock:
             self._busy += 1
         try:
@@ -247,24 +229,14 @@ class VLLMEngine(Engine):
                 raise EpochAbortedError("aborted before /update_weights", reason=Reason.EPOCH_ABORTED)
             left = deadline.check("update_weights")
             group = self._group
-            abort_key = (f"refit_grpc/{group.group_id}/abort/{uuid.uuid4().hex}"
-                         if group is not None and self._backend == "gloo" else None)
-            update = update_info_for(plan, self._backend, _worker_timeout(left), abort_key)
-            try:
-                self._http.call("POST", "/update_weights", deadline, kind=CallKind.RECEIVE,
-                                what="update_weights", body={"update_info": update},
-                                cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen,
-                                on_cancel=(lambda: self._signal_abort(group, abort_key))
-                           if group is not None and abort_key else None)
-            except RefitError as e:
-                m = APPLIED_RE.search(e.message)
-                if m and int(m.group(1)) == 0:
-                    with self._lock:
-                        self._touched = False  # rolled back with nothing loaded: old weights intact
-                raise
-            if deadline.cancel.is_set() or gen != self._http.generation:
-                raise EpochAbortedError("update_weights finished after an abort; not committing",
-                                        reason=Reason.EPOCH_ABORTED)
+            abort_key = self._abort_key(group) if self._backend == "gloo" else None
+            update = update_info_for(plan, self._backend, worker_timeout(left), abort_key)
+            self._watched_receive(
+                lambda on_cancel: self._http.call(
+                    "POST", "/update_weights", deadline, kind=CallKind.RECEIVE,
+                    what="update_weights", body={"update_info": update}, cap_s=math.inf,
+                    extra_s=1.0, watch=deadline, gen=gen, on_cancel=on_cancel),
+                "update_weights", deadline, gen, group, abort_key)
         finally:
             with self._lock:
                 self._busy -= 1
@@ -272,28 +244,12 @@ class VLLMEngine(Engine):
         for bucket in plan.buckets:
             on_bucket(bucket)
 
-    def finish(self, version: int, deadline: Deadline) -> str:
+    def _post_finish(self, version: int, deadline: Deadline) -> None:
         self._http.call("POST", "/finish_weight_update", deadline, what="finish_weight_update",
                         body={"weight_version": str(version)})
-        with self._lock:
-            self._touched = False  # the new version is whole
-        return ""
 
-    def abort_transfer(self) -> None:
-        self._http.cancel_pending()
-        with self._lock:
-            if self._shutdown_thread is not None and self._shutdown_thread.is_alive():
-                return
-            thread = threading.Thread(target=self._background_shutdown, daemon=True,
-                                      name="vllm-shutdown-transfer")
-            self._shutdown_thread = thread
-        thread.start()
-
-    def close(self) -> None:
-        self.abort_transfer()
-        thread = self._shutdown_thread
-        if thread is not None:
-            thread.join(min(self.request_timeout_s, 5.0))
+    def _teardown(self, deadline: Deadline) -> None:
+        self._shutdown_transfer(deadline, end_stale_update=False)
 
     # --- the canary ------------------------------------------------------------------------
 
@@ -337,7 +293,8 @@ class VLLMEngine(Engine):
 
     # --- extras for trainers, tests and the demo -------------------------------------------
 
-    def weight_info(self, deadline: Deadline | None = None) -> str | None:
+    def weight_version(self, deadline: Deadline | None = None) -> str | None:
+        """vLLM's declared weight version (GET /weight_info), None if undeclared."""
         body = self._http.call("GET", "/weight_info", deadline, what="weight_info")
         return body.get("weight_version") if isinstance(body, dict) else None
 
@@ -378,32 +335,6 @@ class VLLMEngine(Engine):
             self._http.call("POST", "/shutdown_weight_transfer_engine", deadline,
                             what="shutdown_weight_transfer_engine")
 
-    def _background_shutdown(self) -> None:
-        try:
-            self._shutdown_transfer(Deadline(self.request_timeout_s), end_stale_update=False)
-        except RefitError as e:
-            log.info("background shutdown_weight_transfer_engine: %s", e)
-
-    def _join_background_shutdown(self, deadline: Deadline) -> None:
-        """A shutdown posted by an earlier abort must reach vLLM before the next init."""
-        thread = self._shutdown_thread
-        if thread is not None and thread.is_alive():
-            thread.join(max(min(deadline.remaining(), self.request_timeout_s), 0.0))
-            if thread.is_alive():
-                raise EngineUnavailableError("the previous shutdown_weight_transfer_engine is "
-                                             "still unanswered")
-
-    def _signal_abort(self, group: GroupSpec, key: str) -> None:
-        """Set the receive's abort key in the trainer's TCPStore (the worker polls it): the only
-        way to reach a vLLM worker blocked in /update_weights. Best effort, bounded."""
-        from refit_grpc.collective import set_store_key  # torch, only when it is needed
-
-        if set_store_key(group.master_address, group.master_port, key,
-                         min(self.abort_grace_s, 2.0)):
-            log.info("abort key set for the worker: %s", key)
-        else:
-            log.info("abort key not set: the worker fails with the trainer")
-
     def _check_live(self, deadline: Deadline, gen: int, what: str) -> None:
         deadline.check(what)
         if gen != self._http.generation:
@@ -432,18 +363,7 @@ class VLLMEngine(Engine):
             except (RefitError, KeyError, IndexError, TypeError) as e:
                 log.info("plan names not checked: engine model unknown (%s)", e)
                 return None
-        try:
-            index = CheckpointIndex.read(directory)
-        except (OSError, ValueError) as e:
-            log.warning("plan names not checked: cannot read %s (%s)", directory, e)
-            return None
-        if index is None:
-            log.info("plan names not checked: %s holds no safetensors checkpoint", directory)
-        self._checkpoint = index
-        return index
+        return self._read_checkpoint(directory)
 
 
-def _worker_timeout(left_s: float) -> float:
-    """The worker's own bound: a little inside the shim's, so its error (with its cause) arrives
-    before the shim's HTTP call gives up."""
-    return round(max(min(left_s - 1.0, left_s * 0.9), 0.5), 3)
+ENGINE = EngineKind(VLLMOptions, VLLMEngine.from_options)

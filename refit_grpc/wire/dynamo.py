@@ -15,7 +15,7 @@ from typing import Any
 
 from refit_grpc.common import GroupSpec
 from refit_grpc.plan import RefitPlan
-from refit_grpc.vllm_info import init_info_for, update_info_for
+from refit_grpc.wire.vllm import init_info_for, update_info_for
 
 # Routes, under {system_url}/engine/.
 LIVENESS = "liveness_probe"

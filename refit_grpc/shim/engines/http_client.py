@@ -199,28 +199,49 @@ class EngineHttpClient:
         return box["reply"]
 
 
-def error_for(reply: Reply, what: str, kind: CallKind) -> RefitError:
-    """The typed error for a non-2xx answer; `kind` says what a worker-side failure means."""
-    text = error_text(reply.body)
-    where = f"{what} answered HTTP {reply.status}: {text}"
-    if reply.status == 404:
-        return FailedPreconditionError(
-            f"{where} (start vLLM with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
-            "to expose the admin routes)", reason=Reason.ENGINE_ROUTE_MISSING)
-    if reply.status in (400, 422):
+def status_error(status: int, where: str, routes_hint: str) -> RefitError | None:
+    """The typed error an HTTP status alone decides, or None: 404 is a missing route (`routes_hint`
+    says how to start the engine with them), 400/422 a rejected body, 503 an engine not up."""
+    if status == 404:
+        return FailedPreconditionError(f"{where} ({routes_hint})",
+                                       reason=Reason.ENGINE_ROUTE_MISSING)
+    if status in (400, 422):
         return InvalidArgumentError(where, reason=Reason.ENGINE_REJECTED)
-    if reply.status == 503:
+    if status == 503:
         return EngineUnavailableError(where)
-    if "Weight transfer not configured" in text:
-        return FailedPreconditionError(
-            f"{where} (start vLLM with --weight-transfer-config '{{\"backend\": \"gloo\"}}')",
-            reason=Reason.WEIGHT_TRANSFER_NOT_CONFIGURED)
+    return None
+
+
+def worker_error(where: str, text: str, kind: CallKind, *,
+                 abort_text: bool = False) -> RefitError:
+    """A failure inside the engine's workers, typed by what the call was doing: the join's is
+    RENDEZVOUS_TIMEOUT / RENDEZVOUS_FAILED, the receive's a timeout or COLLECTIVE_FAILED (with
+    `abort_text`, a message saying the receive was aborted is EPOCH_ABORTED), anything else
+    ENGINE_ERROR."""
     if kind is CallKind.JOIN:
         if is_timeout_text(text):
             return RefitTimeoutError(where, reason=Reason.RENDEZVOUS_TIMEOUT)
         return CollectiveError(where, reason=Reason.RENDEZVOUS_FAILED)
     if kind is CallKind.RECEIVE:
+        if abort_text and ("abort requested" in text or "aborted" in text.lower()):
+            return EpochAbortedError(where, reason=Reason.EPOCH_ABORTED)
         if is_timeout_text(text):
             return RefitTimeoutError(where)
         return CollectiveError(where)
     return FailedPreconditionError(where, reason=Reason.ENGINE_ERROR)
+
+
+def error_for(reply: Reply, what: str, kind: CallKind) -> RefitError:
+    """The typed error for a non-2xx answer of vLLM; `kind` says what a worker-side failure
+    means."""
+    text = error_text(reply.body)
+    where = f"{what} answered HTTP {reply.status}: {text}"
+    by_status = status_error(reply.status, where, "start vLLM with VLLM_SERVER_DEV_MODE=1 and "
+                             "--weight-transfer-config to expose the admin routes")
+    if by_status is not None:
+        return by_status
+    if "Weight transfer not configured" in text:
+        return FailedPreconditionError(
+            f"{where} (start vLLM with --weight-transfer-config '{{\"backend\": \"gloo\"}}')",
+            reason=Reason.WEIGHT_TRANSFER_NOT_CONFIGURED)
+    return worker_error(where, text, kind)

@@ -1,0 +1,4 @@
+"""What crosses into an engine: the typed bodies both ends build and parse, importable without
+vLLM (`vllm.py`: vLLM's weight-transfer routes, the gloo backend's infos, vLLM's rank rule;
+`dynamo.py`: Dynamo's RL routes). The shim's adapters, the driver, the baselines and the code
+inside vLLM's workers all use these, so the two sides cannot drift apart."""

@@ -1,0 +1,190 @@
+"""What crosses into a vLLM engine's weight-transfer routes, defined once for both ends.
+
+`/init_weight_transfer_engine {"init_info": ...}` and `/update_weights {"update_info": ...}` carry a
+backend-specific dict: the project's `gloo` backend (`GlooInitInfo`, `GlooUpdateInfo`, below; inside
+vLLM `refit_grpc.vllm_plugin` parses the same classes) or vLLM's own `nccl` backend
+(`NCCLWeightTransfer*Info`, in vLLM's field names). The shim's vLLM and Dynamo adapters, the
+trainer's NCCL link and the direct-route baseline of the benchmarks build them here; the worker
+parses them with the same dataclasses, so the two sides of the wire cannot drift apart. Pure: no
+vLLM, no gRPC.
+
+Also here: vLLM's rule for the ranks an engine's workers take (`worker_rank`), and the marker by
+which the gloo backend inside vLLM tells the shim how much of a failed update reached the model
+(`refit_grpc[applied=A/B]` in vLLM's HTTP 500 body).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from refit_grpc.common import GroupSpec
+from refit_grpc.plan import (
+    DEFAULT_BUFFER_SIZE_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    Packing,
+    RefitPlan,
+    TensorSpec,
+    dtype_from_name,
+    dtype_name,
+)
+
+# A failed update's error starts with this marker: A of B buckets reached the model. With A == 0
+# the backend's rollback restored every layer, so the engine still holds the old weights.
+APPLIED_RE = re.compile(r"refit_grpc\[applied=(\d+)/(\d+)\]")
+
+
+def applied_marker(applied: int, total: int) -> str:
+    return f"refit_grpc[applied={applied}/{total}]"
+
+
+@dataclasses.dataclass(kw_only=True)
+class GlooInitInfo:
+    """`init_info` of the gloo backend: what a worker needs to join the group."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int  # this engine's first rank; a worker's rank is `worker_rank`
+    world_size: int
+    group_id: str = "refit"  # the PrefixStore is refit_grpc/<group_id>, as in Group.join
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
+    timeout_s: float = 600.0  # rendezvous, and each update without its own timeout_s
+
+    def __post_init__(self) -> None:
+        if not self.packed:
+            raise ValueError("the refit_grpc gloo backend speaks vLLM's packed format only "
+                             "(packed=true)")
+        if self.rank_offset < 1:
+            raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer), "
+                             f"got {self.rank_offset}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        self.packing.validate()
+
+    @property
+    def packing(self) -> Packing:
+        return Packing(int(self.packed_buffer_size_bytes), int(self.packed_num_buffers))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(GlooInitInfo)}
+
+
+@dataclasses.dataclass
+class GlooUpdateInfo:
+    """`update_info` of one update: the plan in vLLM's field names (all vLLM's nccl backend
+    takes), plus, for the gloo backend, a deadline, the digest both sides must agree on and the
+    key that aborts it."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    timeout_s: float | None = None  # this update's deadline (the shim passes its epoch's)
+    plan_digest: str | None = None  # if set, the plan rebuilt here must have exactly this digest
+    # A key in the trainer's TCPStore: once someone sets it, this receive gives up at once.
+    abort_key: str | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n:
+            raise ValueError(f"names/dtype_names/shapes lengths differ: {n}/"
+                             f"{len(self.dtype_names)}/{len(self.shapes)}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    def plan(self, packing: Packing) -> RefitPlan:
+        specs = tuple(TensorSpec(name, tuple(int(d) for d in shape), dtype_from_name(dt))
+                      for name, dt, shape in zip(self.names, self.dtype_names, self.shapes))
+        plan = RefitPlan(specs, packing)
+        plan.validate()
+        if self.plan_digest and plan.digest != self.plan_digest:
+            raise ValueError(f"plan digest {plan.digest[:16]} != the sender's "
+                             f"{self.plan_digest[:16]}: the two sides would cut buckets "
+                             "differently")
+        return plan
+
+    def to_wire(self) -> dict[str, Any]:
+        """The fields that are set (an unset one is absent: vLLM's nccl backend takes only the
+        first three)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(GlooUpdateInfo)
+                if getattr(self, f.name) not in (None, "")}
+
+
+def nccl_init_info(master_address: str, master_port: int, world_size: int, rank_offset: int,
+                   packing: Packing) -> dict[str, Any]:
+    """`init_info` for vLLM's `nccl` backend (`NCCLWeightTransferInitInfo`), TCP rendezvous mode,
+    carrying the plan's packing so the worker cuts the same buckets."""
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "packed": True,
+        "packed_buffer_size_bytes": int(packing.buffer_size_bytes),
+        "packed_num_buffers": int(packing.num_buffers),
+    }
+
+
+def init_info_for(spec: GroupSpec, plan: RefitPlan, timeout_s: float) -> dict[str, Any]:
+    """`init_info` of /init_weight_transfer_engine: the project's gloo backend
+    (`GlooInitInfo`) or vLLM's nccl backend, for the engine whose first rank is `spec.rank`."""
+    if spec.backend == "nccl":
+        return nccl_init_info(spec.master_address, spec.master_port, spec.world_size, spec.rank,
+                              plan.packing)
+    return GlooInitInfo(master_address=spec.master_address, master_port=spec.master_port,
+                        rank_offset=spec.rank, world_size=spec.world_size,
+                        group_id=spec.group_id,  # PrefixStore refit_grpc/<group_id>, as Group.join
+                        packed=True,
+                        packed_buffer_size_bytes=plan.packing.buffer_size_bytes,
+                        packed_num_buffers=plan.packing.num_buffers,
+                        timeout_s=timeout_s).to_wire()
+
+
+def update_info_for(plan: RefitPlan, backend: str, timeout_s: float | None = None,
+                    abort_key: str | None = None) -> dict[str, Any]:
+    """`update_info` of /update_weights: the plan in vLLM's field names (all vLLM's nccl backend
+    takes); the gloo backend also takes this epoch's deadline (else its init timeout applies),
+    the plan digest (it refuses a plan that would cut buckets differently from the sender's) and
+    the key that aborts it.
+
+    Every plan tensor is named, `lm_head.weight` of a tied model included: the receiver cuts
+    the broadcast bytes by these names and shapes (vLLM's nccl consumer as well), so a dropped
+    name would shift every tensor after it. Which of a tied parameter's two names is loaded is
+    the worker's decision (docs/vllm.md, Tied embeddings)."""
+    info = GlooUpdateInfo(names=[s.name for s in plan.tensors],
+                          dtype_names=[dtype_name(s.dtype) for s in plan.tensors],
+                          shapes=[list(s.shape) for s in plan.tensors])
+    if backend == "gloo":
+        info = dataclasses.replace(info, timeout_s=timeout_s, plan_digest=plan.digest,
+                                   abort_key=abort_key or None)
+    return info.to_wire()
+
+
+def nccl_misalignment(plan: RefitPlan) -> str | None:
+    """The first tensor vLLM's NCCL consumer could not unpack, or None. Its `unpack_tensor`
+    views each tensor in place in the bucket, which needs every tensor to start at a multiple of
+    its element size (an odd-sized int8 tensor before a float32 one breaks that); the project's
+    own receiver copies such tensors instead, so only this backend needs the check."""
+    for bucket in plan.buckets:
+        offset = 0
+        for spec in plan.tensors[bucket.start:bucket.stop]:
+            if offset % spec.dtype.itemsize:
+                return (f"tensor {spec.name!r} ({dtype_name(spec.dtype)}) would start at byte "
+                        f"{offset} of bucket {bucket.index}, not a multiple of "
+                        f"{spec.dtype.itemsize}")
+            offset += spec.nbytes
+    return None
+
+
+def worker_rank(rank_offset: int, rank: int, tp_pp_size: int, dp_index: int = 0) -> int:
+    """A vLLM worker's rank in the group, by vLLM's rule (`nccl_common.worker_init_process_group`):
+    unique across data-parallel replicas, `dp_index * (tp * pp) + rank + rank_offset`."""
+    return dp_index * tp_pp_size + rank + rank_offset
+
+
+def worker_ranks(rank_offset: int, tp_pp_size: int, dp_size: int = 1) -> list[int]:
+    """The ranks one vLLM engine's workers take (`worker_rank` of each)."""
+    return [worker_rank(rank_offset, r, tp_pp_size, dp)
+            for dp in range(dp_size) for r in range(tp_pp_size)]
