@@ -51,6 +51,12 @@ from refit_grpc.wire.vllm import APPLIED_RE
 log = logging.getLogger(__name__)
 
 
+def worker_timeout(left_s: float) -> float:
+    """The worker's own bound: a little inside the shim's, so its error (with its cause) arrives
+    before the shim's HTTP call gives up."""
+    return round(max(min(left_s - 1.0, left_s * 0.9), 0.5), 3)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HttpEngineOptions(EngineOptions):
     """What every HTTP engine takes (`--engine-option KEY=VALUE`; `url` is `--engine-url`)."""
@@ -61,12 +67,6 @@ class HttpEngineOptions(EngineOptions):
     abort_grace_s: float = 3.0       # how long an aborted receive may take to answer
     checkpoint_dir: str | None = None  # the engine's checkpoint, for check_plan's names
     allow_remote_engine: bool = False  # allow a URL that is not loopback
-
-
-def worker_timeout(left_s: float) -> float:
-    """The worker's own bound: a little inside the shim's, so its error (with its cause) arrives
-    before the shim's HTTP call gives up."""
-    return round(max(min(left_s - 1.0, left_s * 0.9), 0.5), 3)
 
 
 class HttpEngine(Engine):

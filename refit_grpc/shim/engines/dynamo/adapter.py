@@ -41,7 +41,6 @@ NOT_SERVING.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -69,26 +68,6 @@ from refit_grpc.shim.engines.http_engine import HttpEngine, HttpEngineOptions, w
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire import dynamo as routes
 
-log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DynamoOptions(HttpEngineOptions):
-    """The dynamo engine's options: `HttpEngineOptions`, Dynamo's group-init limit (must match
-    the worker's DYN_RL_INIT_WEIGHTS_TIMEOUT_S) and the ranks the worker takes."""
-
-    url: str = "http://127.0.0.1:8081"
-    init_weights_timeout_s: float = routes.INIT_TIMEOUT_DEFAULT_S
-    world_size: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.init_weights_timeout_s > 0:
-            raise ValueError(f"init_weights_timeout_s must be > 0, got "
-                             f"{self.init_weights_timeout_s}")
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-
 
 def dynamo_error(reply: Reply, what: str, kind: CallKind) -> RefitError:
     """The typed error for a Dynamo answer that is not `{"status": "ok"}`: a non-2xx status, or
@@ -108,6 +87,24 @@ def dynamo_error(reply: Reply, what: str, kind: CallKind) -> RefitError:
             f"{where} (start the worker with --worker-extension-cls {routes.WORKER_EXTENSION})",
             reason=Reason.WEIGHT_TRANSFER_NOT_CONFIGURED)
     return worker_error(where, text, kind, abort_text=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DynamoOptions(HttpEngineOptions):
+    """The dynamo engine's options: `HttpEngineOptions`, Dynamo's group-init limit (must match
+    the worker's DYN_RL_INIT_WEIGHTS_TIMEOUT_S) and the ranks the worker takes."""
+
+    url: str = "http://127.0.0.1:8081"
+    init_weights_timeout_s: float = routes.INIT_TIMEOUT_DEFAULT_S
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.init_weights_timeout_s > 0:
+            raise ValueError(f"init_weights_timeout_s must be > 0, got "
+                             f"{self.init_weights_timeout_s}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
 
 
 class DynamoEngine(HttpEngine):
