@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from refit_grpc.common import Deadline as Deadline
     from refit_grpc.common import PauseMode as PauseMode
     from refit_grpc.driver import ChannelSecurity as ChannelSecurity
+    from refit_grpc.driver.config import FleetConfig as FleetConfig
+    from refit_grpc.driver.config import FleetState as FleetState
+    from refit_grpc.driver.config import FleetStateError as FleetStateError
     from refit_grpc.driver import EpochHandle as EpochHandle
     from refit_grpc.driver import EpochReport as EpochReport
     from refit_grpc.driver import Fleet as Fleet

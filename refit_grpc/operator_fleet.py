@@ -162,7 +162,7 @@ def abort_rows(fleet, reason: str) -> list[ActionRow]:
         if a is None:
             rows.append(ActionRow(e.instance_id, e.address, ok=False,
                                   error="no answer (unreachable, or slower than "
-                                        f"{fleet.abort_timeout_s:g}s)"))
+                                        f"{fleet.config.abort_timeout_s:g}s)"))
         else:
             rows.append(ActionRow(e.instance_id, e.address, ok=True,
                                   state=pb.ShimState.Name(a.state).removeprefix("SHIM_STATE_"),

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -34,7 +34,8 @@ from torch.distributed import TCPStore
 from refit_grpc.canary import Canary
 from refit_grpc.collective import Group, bind_master_store
 from refit_grpc.common import GroupSpec, PauseMode
-from refit_grpc.driver.endpoint import ChannelSecurity, WorkerEndpoint
+from refit_grpc.driver.config import FleetConfig, FleetState, FleetStateError, refuse_unless
+from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback, WorkerLink
 from refit_grpc.driver.failures import (
     CanaryMismatchError,
@@ -83,38 +84,45 @@ def _unavailable(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
 
 
+# States in which a call may run: any but CLOSED; with a plan.
+_OPEN = (FleetState.EMPTY, FleetState.PREPARED, FleetState.CONNECTED)
+_PREPARED = (FleetState.PREPARED, FleetState.CONNECTED)
+
+
 class Fleet:
-    def __init__(self, workers: Sequence[WorkerEndpoint | Mapping[str, Any]], *,
-                 engine_world_size: int = 1,
-                 control_timeout_s: float = 30.0,
-                 join_timeout_s: float = 120.0,
-                 epoch_timeout_s: float = 600.0,
+    """The trainer's fleet of shims: stubs with deadlines and retries, the plan, the data group
+    and the epochs (module docstring of `refit_grpc.driver`; README, A trainer using `Fleet`).
+
+    Args:
+        workers: the shims, as `WorkerEndpoint`s or Dynamo-style metadata dicts
+            (`WorkerEndpoint.from_metadata`); instance ids unique.
+        config: the configuration (`FleetConfig`); its fields may also be given as keywords,
+            which override it (`Fleet(workers, epoch_timeout_s=60)`).
+        validate_workers: NeMo RL's membership hook: called with the workers' metadata before
+            each group formation and epoch; a different answer is MEMBERSHIP_CHANGED.
+    Raises:
+        InvalidArgumentError: no worker, duplicate instance ids, or a bad configuration value.
+    """
+
+    def __init__(self, workers: Sequence[WorkerEndpoint | Mapping[str, Any]],
+                 config: FleetConfig | None = None, *,
                  validate_workers: Callable[[list[dict]], list[dict]] | None = None,
-                 packing: Packing | None = None,
-                 backend: str = "gloo",
-                 retry_attempts: int = 8,
-                 abort_timeout_s: float = 1.0,
-                 security: ChannelSecurity | None = None):
+                 **overrides: Any):
         if not workers:
-            raise ValueError("a fleet needs at least one worker")
+            raise InvalidArgumentError("a fleet needs at least one worker",
+                                       reason=Reason.INVALID_ARGUMENT)
         self.endpoints = tuple(w if isinstance(w, WorkerEndpoint)
                                else WorkerEndpoint.from_metadata(w) for w in workers)
         if len({e.instance_id for e in self.endpoints}) != len(self.endpoints):
-            raise ValueError("worker instance ids must be unique")
-        if engine_world_size < 1:
-            raise ValueError("engine_world_size must be >= 1")
-        self.engine_world_size = engine_world_size
-        self.control_timeout_s = control_timeout_s
-        self.join_timeout_s = join_timeout_s
-        self.epoch_timeout_s = epoch_timeout_s
+            raise InvalidArgumentError("worker instance ids must be unique",
+                                       reason=Reason.INVALID_ARGUMENT)
+        if overrides.get("security", ...) is None:
+            del overrides["security"]  # None: the default, as callers with no TLS pass it
+        self.config = replace(config or FleetConfig(), **overrides)
         self.validate_workers = validate_workers
-        self.backend = backend
-        self.retry_attempts = retry_attempts
-        self.abort_timeout_s = abort_timeout_s
-        self.security = security or ChannelSecurity()
-        self._packing = packing
-        self._channels = [self.security.open(e.address) for e in self.endpoints]
-        self._workers = [WorkerLink(e, pb_grpc.RefitServiceStub(c), self.security.metadata())
+        self._packing = self.config.packing  # the configured one, or negotiated once
+        self._channels = [self.config.security.open(e.address) for e in self.endpoints]
+        self._workers = [WorkerLink(e, pb_grpc.RefitServiceStub(c), self.config.security.metadata())
                          for e, c in zip(self.endpoints, self._channels)]
         self._pool = ThreadPoolExecutor(max_workers=min(64, 2 * len(self._workers) + 4),
                                         thread_name_prefix="fleet")
@@ -134,36 +142,50 @@ class Fleet:
     # --- the seed's surface ----------------------------------------------------------------
 
     def client_copy(self) -> Fleet:
-        """Endpoints and timeouts only (no validator, no state): safe to ship to rollout actors."""
-        return Fleet(self.endpoints, engine_world_size=self.engine_world_size,
-                     control_timeout_s=self.control_timeout_s, join_timeout_s=self.join_timeout_s,
-                     epoch_timeout_s=self.epoch_timeout_s, packing=self._packing,
-                     backend=self.backend, retry_attempts=self.retry_attempts,
-                     abort_timeout_s=self.abort_timeout_s, security=self.security)
+        """Endpoints and configuration only (no validator, no state): safe to ship to rollout
+        actors."""
+        return Fleet(self.endpoints, self.config)
 
     def __getstate__(self) -> dict:
-        return {"endpoints": self.endpoints, "engine_world_size": self.engine_world_size,
-                "control_timeout_s": self.control_timeout_s, "join_timeout_s": self.join_timeout_s,
-                "epoch_timeout_s": self.epoch_timeout_s, "packing": self._packing,
-                "backend": self.backend, "retry_attempts": self.retry_attempts,
-                "abort_timeout_s": self.abort_timeout_s, "security": self.security}
+        return {"endpoints": self.endpoints, "config": self.config}
 
     def __setstate__(self, state: dict) -> None:
-        endpoints = state.pop("endpoints")
-        packing = state.pop("packing")
-        Fleet.__init__(self, endpoints, packing=packing, **state)
+        Fleet.__init__(self, state["endpoints"], state["config"])
+
+    @property
+    def state(self) -> FleetState:
+        """Derived from what the fleet holds, never stored: CLOSED, else CONNECTED with a data
+        group, else PREPARED with a plan, else EMPTY."""
+        if self._closed:
+            return FleetState.CLOSED
+        if self._group_id is not None:
+            return FleetState.CONNECTED
+        return FleetState.PREPARED if self._plan is not None else FleetState.EMPTY
+
+    def _plan_for(self, what: str, allowed: tuple[FleetState, ...]) -> RefitPlan:
+        """The prepared plan, for a call allowed in `allowed` states (else FleetStateError)."""
+        refuse_unless(self.state, allowed, what)
+        assert self._plan is not None  # every state a plan-needing call allows has one
+        return self._plan
+
+    def _drop_group(self) -> None:
+        """The data group is gone (an epoch gave up, or a formation failed): the shims tore
+        their ends down, so the next epoch must form a new one."""
+        self._group_id = None
+        self._joined_instances = None
 
     @property
     def inference_world_size(self) -> int:
-        return len(self.endpoints) * self.engine_world_size
+        return len(self.endpoints) * self.config.engine_world_size
 
     @property
     def sender_spec(self) -> Packing:
         """The packing contract: the configured one, or the one `negotiate_packing()` (which
         `prepare()` calls) agreed with the shims. No I/O: before either, this raises."""
         if self._packing is None:
-            raise RuntimeError("the packing is not known yet: pass packing= to Fleet, or call "
-                               "prepare() or negotiate_packing() first")
+            raise FleetStateError("the packing is not known yet: pass packing= to Fleet, or "
+                                  "call prepare() or negotiate_packing() first",
+                                  reason=Reason.FLEET_NOT_PREPARED)
         return self._packing
 
     def negotiate_packing(self) -> Packing:
@@ -191,8 +213,9 @@ class Fleet:
 
     def prepare(self, state_dict_info: Mapping[str, tuple[Sequence[int], Any]]) -> RefitPlan:
         """Store the plan on every shim; `{name: (shape, dtype)}` in packing order."""
+        refuse_unless(self.state, _OPEN, "prepare()")
         if state_dict_info is None:
-            raise ValueError("state_dict_info is None")
+            raise InvalidArgumentError("state_dict_info is None", reason=Reason.INVALID_PLAN)
         plan = RefitPlan.from_state_dict_info(state_dict_info, self.negotiate_packing())
         request = pb.PrepareRequest(
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=DTYPE_TO_PROTO[s.dtype])
@@ -230,11 +253,12 @@ class Fleet:
                 f"master_port {port} out of range: init_collective needs the port the trainer's "
                 "store listens on (connect() binds one itself with port 0)",
                 reason=Reason.INVALID_MASTER_PORT)
-        if self._plan is None:
-            raise RuntimeError("prepare() must be called before init_collective()")
+        plan = self._plan_for("init_collective()", _PREPARED)
         if world_size != train_world_size + self.inference_world_size:
-            raise ValueError(f"world_size {world_size} != train_world_size {train_world_size} + "
-                             f"inference_world_size {self.inference_world_size}")
+            raise InvalidArgumentError(
+                f"world_size {world_size} != train_world_size {train_world_size} + "
+                f"inference_world_size {self.inference_world_size}",
+                reason=Reason.INVALID_WORLD_SIZE)
         self._check_membership()
         self._joined_instances = tuple(
             d.instance_id for d in self.describe(weights_digest=False))
@@ -243,9 +267,9 @@ class Fleet:
         for i, w in enumerate(self._workers):
             request = pb.InitCollectiveRequest(
                 master_address=ip, master_port=port, world_size=world_size,
-                rank_offset=train_world_size + i * self.engine_world_size,
-                backend=BACKEND_FROM_NAME[self.backend], group_id=group_id,
-                plan_digest=self._plan.digest)
+                rank_offset=train_world_size + i * self.config.engine_world_size,
+                backend=BACKEND_FROM_NAME[self.config.backend], group_id=group_id,
+                plan_digest=plan.digest)
             futures.append(self._pool.submit(self._join_one, w, request))
         self._group_id = group_id
         return futures
@@ -253,7 +277,7 @@ class Fleet:
     def _join_one(self, w: WorkerLink, request) -> pb.InitCollectiveResponse:
         last = None
         try:
-            for msg in w.stub.InitCollective(request, timeout=self.join_timeout_s,
+            for msg in w.stub.InitCollective(request, timeout=self.config.join_timeout_s,
                                              metadata=w.metadata):
                 last = msg
         except grpc.RpcError as e:
@@ -275,24 +299,22 @@ class Fleet:
         if train_world_size != 1:
             raise InvalidArgumentError("connect() joins as the only trainer rank; with several "
                                        "trainer ranks call init_collective() and join each rank")
-        if self.backend == "nccl" and not torch.cuda.is_available():
+        if self.config.backend == "nccl" and not torch.cuda.is_available():
             # Before any shim is asked to join: they would wait for a rank 0 that never comes.
             raise InvalidArgumentError("backend nccl needs CUDA in the trainer",
                                        reason=Reason.BACKEND_UNAVAILABLE)
-        if self._plan is None:
-            raise RuntimeError("prepare() must be called before connect()")
+        plan = self._plan_for("connect()", _PREPARED)
         world = train_world_size + self.inference_world_size
-        plan = self._plan
         # This process's end of the rendezvous listens before any shim is told where.
         store: TCPStore | None = None
         listener: socket.socket | None = None
-        if self.backend == "nccl":
+        if self.config.backend == "nccl":
             from refit_grpc.driver.nccl import NcclLink, NcclSender, listen
 
             listener = listen(ip, port)  # vLLM's store takes it over
             port = listener.getsockname()[1]
         else:
-            store = bind_master_store(ip, port, world, self.join_timeout_s)
+            store = bind_master_store(ip, port, world, self.config.join_timeout_s)
             port = store.port
         try:
             futures = self.init_collective(ip, port, world, train_world_size=train_world_size)
@@ -303,18 +325,18 @@ class Fleet:
         try:
             if listener is not None:
                 link: TrainerLink = NcclLink(NcclSender.connect(
-                    ip, port, world, plan, self.join_timeout_s, device, listen_socket=listener),
+                    ip, port, world, plan, self.config.join_timeout_s, device, listen_socket=listener),
                     port)
             else:
-                link = GlooLink(Group.join(GroupSpec(ip, port, world, 0, self.backend,
+                link = GlooLink(Group.join(GroupSpec(ip, port, world, 0, self.config.backend,
                                                      self._group_id or ""),
-                                           self.join_timeout_s, store=store), plan)
+                                           self.config.join_timeout_s, store=store), plan)
         except RefitError as e:
             self.abort("trainer failed to join")
             failures = self._collect(futures, 5.0)
             raise FleetError(f"trainer rank 0 could not join: {e}", failures,
                              reason=e.reason) from e
-        failures = self._collect(futures, self.join_timeout_s)
+        failures = self._collect(futures, self.config.join_timeout_s)
         if failures:
             link.close()
             self.abort("join failed")
@@ -331,10 +353,7 @@ class Fleet:
         reports its weights digest in COMMITTED (it reads every weight). `canary`: every
         engine computes its log-probabilities after the commit and reports them in COMMITTED
         (`check_canary` compares them)."""
-        if self._plan is None:
-            raise RuntimeError("prepare() must be called before update_weights()")
-        if self._group_id is None:
-            raise RuntimeError("init_collective() must be called before update_weights()")
+        plan = self._plan_for("update_weights()", (FleetState.CONNECTED,))
         self._check_membership()
         version = self._version + 1 if version is None else version
         # Opened, not committed: the default of the next epoch moves on either way, since a shim
@@ -342,16 +361,15 @@ class Fleet:
         self._version = max(self._version, version)
         # Each shim checks it is still the instance that joined (no Describe round trip first).
         joined = self._joined_instances or ("",) * len(self._workers)
-        requests = [pb.UpdateWeightsRequest(version=version, plan_digest=self._plan.digest,
+        requests = [pb.UpdateWeightsRequest(version=version, plan_digest=plan.digest,
                                             group_id=self._group_id,
                                             pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
                                             instance_id=instance_id,
                                             verify_weights=verify_weights,
                                             canary=canary.to_proto() if canary else None)
                     for instance_id in joined]
-        if self._closed:
-            raise RuntimeError("the fleet is closed")
-        handle = EpochHandle(self._workers, version, requests, self.epoch_timeout_s,
+        refuse_unless(self.state, (FleetState.CONNECTED,), "update_weights()")
+        handle = EpochHandle(self._workers, version, requests, self.config.epoch_timeout_s,
                              self._abort_epoch, on_progress, streams=self._streams)
         with self._epochs_lock:
             # Finished epochs are dropped here, so a long run keeps only the open ones.
@@ -384,14 +402,14 @@ class Fleet:
             handle.wait_accepted()
         except FleetError:
             link.close()  # the shims tore their ends down; this group is finished
-            self._group_id = None
+            self._drop_group()
             raise
         deadline = handle.send_deadline()
         try:
             stats = link.sender.send(tensors, deadline)
         except RefitError as e:
             link.close()
-            self._group_id = None
+            self._drop_group()
             handle.abort(f"epoch {handle.version}: broadcast failed")
             try:
                 handle.result(timeout_s=5.0)
@@ -403,7 +421,7 @@ class Fleet:
             committed = handle.result()
         except FleetError:
             link.close()
-            self._group_id = None
+            self._drop_group()
             raise
         seconds = time.monotonic() - t0
         if verify_weights:
@@ -443,7 +461,7 @@ class Fleet:
         """Abort on every shim in parallel; best effort, never raises, never retries, and bounded
         by `abort_timeout_s`: a dead or frozen shim must not hold up the others' abort."""
         request = pb.AbortRequest(reason=reason)
-        futures = [self._pool.submit(w.stub.Abort, request, timeout=self.abort_timeout_s,
+        futures = [self._pool.submit(w.stub.Abort, request, timeout=self.config.abort_timeout_s,
                                      metadata=w.metadata) for w in self._workers]
         out = []
         for f in futures:
@@ -456,7 +474,7 @@ class Fleet:
     def _abort_epoch(self, reason: str) -> list[pb.AbortResponse | None]:
         """An epoch gave up: every shim drops its group on Abort, so this fleet has none either
         (the next epoch needs init_collective/connect first, said before any RPC)."""
-        self._group_id = None
+        self._drop_group()
         return self.abort(reason)
 
     def close(self) -> None:
@@ -488,10 +506,10 @@ class Fleet:
             # Long enough to outlast the channel's reconnect backoff (max 1 s): a shim that just
             # restarted must be reached, not declared gone after a burst of instant failures.
             wait=tenacity.wait_random_exponential(multiplier=0.1, max=2.0),
-            stop=(tenacity.stop_after_attempt(self.retry_attempts)
-                  | tenacity.stop_after_delay(self.control_timeout_s)),
+            stop=(tenacity.stop_after_attempt(self.config.retry_attempts)
+                  | tenacity.stop_after_delay(self.config.control_timeout_s)),
             reraise=True)
-        return retry(lambda: getattr(w.stub, method)(request, timeout=self.control_timeout_s,
+        return retry(lambda: getattr(w.stub, method)(request, timeout=self.config.control_timeout_s,
                                                      metadata=w.metadata))
 
     def _unary_each(self, method: str, make_request) -> list:

@@ -247,7 +247,7 @@ class RefitChannel:
             self._formations = {n: fs for n, fs in self._formations.items()
                                 if not all(f.done() for f in fs)}
             self._formations[name] = futures
-        timeout_s = self._fleet.join_timeout_s + _OUTCOME_MARGIN_S
+        timeout_s = self._fleet.config.join_timeout_s + _OUTCOME_MARGIN_S
         actor = self._actor()
         refs = []
         for worker, future in zip(self.workers, futures):
