@@ -11,6 +11,7 @@ where vLLM or Dynamo are not installed.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -85,6 +86,31 @@ class Run:
                  "formed")
         return plan
 
+    def build_model(self, builder: Callable[[Path], Path], *, say_path: bool = False) -> Path:
+        """The trainer's seed set, then `builder(<workdir>/tiny)`; says how long it took."""
+        import torch
+
+        torch.manual_seed(1234)
+        t0 = time.monotonic()
+        model_dir = builder(self.workdir / "tiny")
+        self.say(f"built tiny Llama + tokenizer in {time.monotonic() - t0:.1f}s"
+                 + (f": {model_dir}" if say_path else ""))
+        return model_dir
+
+    def train_and_refit(self, model, steps: int, train_steps: int) -> Iterator[tuple[str, Any]]:
+        """`steps` times: `train_steps` AdamW steps of `model` on the toy pattern, then
+        `Fleet.refit` of its state dict on the run's link. Yields the step's report line so
+        far (step, loss, version, bytes, seconds) and the refit's report."""
+        import torch
+
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(1, steps + 1):
+            loss = train(model, optim, gen, train_steps)
+            report = self.fleet.refit(self.link, model.state_dict())
+            yield (f"step {step}: loss={loss:.3f} refit v={report.version} {report.bytes} bytes "
+                   f"in {report.seconds:.3f}s"), report
+
     def failed(self, e: BaseException) -> None:
         """The run stopped on `e`: say so, with the log of every engine server that exited."""
         self.failures += 1
@@ -131,6 +157,20 @@ def run_reported(name: str, body: Callable[[Run], None], out=sys.stdout) -> int:
         finally:
             run.teardown()
     return run.verdict()
+
+
+def demo_cli(prog: str, doc: str | None, run_demo: Callable[..., int],
+             argv: list[str] | None, engines: int | None = None) -> int:
+    """A demo's command line (`--steps`, `--train-steps`, `--buffer-size-bytes`, and `--engines`
+    where it has a default): parses `argv` and returns `run_demo(**options)`."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if engines is not None:
+        parser.add_argument("--engines", type=int, default=engines)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--train-steps", type=int, default=5, help="optimiser steps per refit")
+    parser.add_argument("--buffer-size-bytes", type=int, default=256 * 1024)
+    return run_demo(**vars(parser.parse_args(argv)))
 
 
 @contextmanager
@@ -263,5 +303,5 @@ class DynamoArm(EngineArm):
 VLLM = VLLMArm()
 DYNAMO = DynamoArm()
 
-__all__ = ["DYNAMO", "VLLM", "DynamoArm", "EngineArm", "Run", "VLLMArm", "cpu_bind",
+__all__ = ["DYNAMO", "VLLM", "DynamoArm", "EngineArm", "Run", "VLLMArm", "cpu_bind", "demo_cli",
            "run_reported", "timed", "train"]

@@ -24,10 +24,9 @@ process survived.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from refit_grpc.testing.harness import DYNAMO, Run, run_reported, timed, train
+from refit_grpc.testing.harness import DYNAMO, Run, demo_cli, run_reported, timed
 from refit_grpc.testing.logprobs import SEQUENCE, hf_logprobs
 from refit_grpc.testing.vllm import PROMPT, hf_greedy, load_hf_model
 
@@ -36,15 +35,11 @@ TOL = 2e-3
 
 def run_demo(steps: int = 3, train_steps: int = 5, gen_tokens: int = 8,
              buffer_size_bytes: int = 256 * 1024, out=sys.stdout) -> int:
-    import torch
-
     from refit_grpc.integrations.dynamo import DynamoDiscovery, ShimAddressing
     from refit_grpc.testing.dynamo import build_dynamo_model, frontend_greedy, frontend_logprobs
 
     def demo(run: Run) -> None:
-        torch.manual_seed(1234)
-        with timed(run, lambda sec: f"built tiny Llama + tokenizer in {sec:.1f}s"):
-            model_dir = build_dynamo_model(run.workdir / "tiny")
+        model_dir = run.build_model(build_dynamo_model)
         with timed(run, lambda sec: f"started 2 Dynamo workers and the frontend in {sec:.1f}s: "
                                     f"workers {', '.join(w.url for w in workers)}, "
                                     f"frontend {frontend.url}"):
@@ -69,11 +64,7 @@ def run_demo(steps: int = 3, train_steps: int = 5, gen_tokens: int = 8,
         run.check(all(g <= TOL for g in gaps))
         run.say(f"before training: max |Dynamo - transformers| = "
                 f"{', '.join(f'{g:.1e}' for g in gaps)}")
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        gen = torch.Generator().manual_seed(0)
-        for step in range(1, steps + 1):
-            loss = train(model, optim, gen, train_steps)
-            report = fleet.refit(run.link, model.state_dict())
+        for line, report in run.train_and_refit(model, steps, train_steps):
             truth = hf_logprobs(model)
             expected = hf_greedy(model, PROMPT, gen_tokens)
             now = [frontend_logprobs(frontend.url, i, SEQUENCE) for i in ids]
@@ -84,8 +75,7 @@ def run_demo(steps: int = 3, train_steps: int = 5, gen_tokens: int = 8,
             ok = run.check(all(g <= TOL for g in gaps) and all(g == expected for g in greedy))
             run.check(all(m >= 0.01 for m in moved))
             run.check(versions == [report.version] * len(workers))
-            run.say(f"step {step}: loss={loss:.3f} refit v={report.version} "
-                    f"{report.bytes} bytes in {report.seconds:.3f}s dynamo_versions={versions} "
+            run.say(f"{line} dynamo_versions={versions} "
                     f"logprob_gap={max(gaps):.1e} moved={min(moved):.3f} "
                     f"greedy={'ok' if ok else 'MISMATCH ' + str(greedy)} tokens={expected}")
             last = now
@@ -94,15 +84,7 @@ def run_demo(steps: int = 3, train_steps: int = 5, gen_tokens: int = 8,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m refit_grpc.tools.demo_dynamo",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--train-steps", type=int, default=5, help="optimiser steps per refit")
-    parser.add_argument("--buffer-size-bytes", type=int, default=256 * 1024)
-    args = parser.parse_args(argv)
-    return run_demo(steps=args.steps, train_steps=args.train_steps,
-                    buffer_size_bytes=args.buffer_size_bytes)
+    return demo_cli("python -m refit_grpc.tools.demo_dynamo", __doc__, run_demo, argv)
 
 
 if __name__ == "__main__":

@@ -18,21 +18,16 @@ same way. The run/report/teardown skeleton is `refit_grpc.testing.harness`'s, sh
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from refit_grpc.testing.harness import VLLM, Run, run_reported, timed, train
+from refit_grpc.testing.harness import VLLM, Run, demo_cli, run_reported, timed
 from refit_grpc.testing.vllm import PROMPT, build_tiny_llama, complete, hf_greedy, load_hf_model
 
 
 def run_demo(engines: int = 2, steps: int = 3, train_steps: int = 5, gen_tokens: int = 12,
              buffer_size_bytes: int = 256 * 1024, out=sys.stdout) -> int:
-    import torch
-
     def demo(run: Run) -> None:
-        torch.manual_seed(1234)
-        with timed(run, lambda sec: f"built tiny Llama + tokenizer in {sec:.1f}s: {model_dir}"):
-            model_dir = build_tiny_llama(run.workdir / "tiny")
+        model_dir = run.build_model(build_tiny_llama, say_path=True)
         with timed(run, lambda sec: f"started {engines} vLLM engines in {sec:.1f}s: "
                                     f"{', '.join(s.url for s in servers)}"):
             servers = VLLM.start_servers(run, model_dir, engines)
@@ -44,20 +39,15 @@ def run_demo(engines: int = 2, steps: int = 3, train_steps: int = 5, gen_tokens:
         expected = hf_greedy(model, PROMPT, gen_tokens)
         same = run.check(all(b == expected for b in before))
         run.say(f"before training: engines {'==' if same else '!='} trainer: {expected}")
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        gen = torch.Generator().manual_seed(0)
         last = expected
-        for step in range(1, steps + 1):
-            loss = train(model, optim, gen, train_steps)
-            report = fleet.refit(run.link, model.state_dict())
+        for line, _ in run.train_and_refit(model, steps, train_steps):
             expected = hf_greedy(model, PROMPT, gen_tokens)
             got = [complete(s.url, PROMPT, gen_tokens)["token_ids"] for s in servers]
             ok = run.check(all(g == expected for g in got))
             versions = [d.weight_version for d in fleet.describe()]
             changed = run.check(expected != last)
-            run.say(f"step {step}: loss={loss:.3f} refit v={report.version} "
-                    f"{report.bytes} bytes in {report.seconds:.3f}s versions={versions} "
-                    f"engines={'ok' if ok else 'MISMATCH ' + str(got)} "
+            verdict = "ok" if ok else f"MISMATCH {got}"
+            run.say(f"{line} versions={versions} engines={verdict} "
                     f"{'changed' if changed else 'UNCHANGED'} tokens={expected}")
             last = expected
 
@@ -65,15 +55,7 @@ def run_demo(engines: int = 2, steps: int = 3, train_steps: int = 5, gen_tokens:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m refit_grpc.tools.demo_vllm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--train-steps", type=int, default=5, help="optimiser steps per refit")
-    parser.add_argument("--buffer-size-bytes", type=int, default=256 * 1024)
-    args = parser.parse_args(argv)
-    return run_demo(engines=args.engines, steps=args.steps, train_steps=args.train_steps,
-                    buffer_size_bytes=args.buffer_size_bytes)
+    return demo_cli("python -m refit_grpc.tools.demo_vllm", __doc__, run_demo, argv, engines=2)
 
 
 if __name__ == "__main__":
