@@ -131,11 +131,9 @@ class DynamoWorker(VLLMServer):
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         return env
 
-    def repick_ports(self) -> bool:
-        if not self.own_port:
-            return False
-        self.port = free_system_port()
-        return True
+    @staticmethod
+    def pick_port() -> int:
+        return free_system_port()
 
     def start(self) -> DynamoWorker:
         _spawn(self, self.command(), self.environment())

@@ -190,11 +190,16 @@ class VLLMServer:
         except OSError:
             return False
 
+    @staticmethod
+    def pick_port() -> int:
+        """A free port for the server when the caller chose none."""
+        return free_port()
+
     def repick_ports(self) -> bool:
         """New ports for those picked here; False when the caller chose them all."""
         if not self.own_port:
             return False
-        self.port = free_port()
+        self.port = self.pick_port()
         return True
 
     def wait_ready(self, timeout_s: float = 300.0) -> VLLMServer:
