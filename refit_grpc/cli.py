@@ -15,6 +15,9 @@ def _shim(args: argparse.Namespace) -> int:
     import faulthandler
     import signal
 
+    from refit_grpc.shim.process import die_with_parent_if_asked
+
+    die_with_parent_if_asked()  # spawn_shim's tie to its life, set here rather than before exec
     # Operators (and spawn_shim on a start that hangs) get every thread's stack on SIGUSR1.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     import torch

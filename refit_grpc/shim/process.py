@@ -44,15 +44,32 @@ class ShimProcess:
 
 
 _PR_SET_PDEATHSIG = 1
+# Set by spawn_shim to its own pid: the shim asks the kernel for SIGTERM when that parent dies.
+DIE_WITH_PARENT_ENV = "REFIT_GRPC_DIE_WITH_PARENT"
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies, so a killed demo or test run
-    leaves no shim behind (Linux; elsewhere a no-op)."""
+def die_with_parent(parent_pid: int) -> None:
+    """In a child, about itself: SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG; Linux,
+    elsewhere a no-op), so a killed demo or test run leaves no shim behind. A parent already
+    gone before the call (the child now belongs to another) means SIGTERM now.
+
+    Called by the child itself once it runs, never as a `preexec_fn` between fork and exec:
+    that runs Python in the forked child of a parent whose gRPC threads may hold locks, and
+    gRPC's fork handlers killed such children with SIGABRT before they ran."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def die_with_parent_if_asked() -> None:
+    """The shim's first step: `die_with_parent` when its spawner asked (DIE_WITH_PARENT_ENV,
+    removed so that nothing the shim starts inherits it)."""
+    value = os.environ.pop(DIE_WITH_PARENT_ENV, "")
+    if value.isdigit():
+        die_with_parent(int(value))
 
 
 def spawn_shim(*args: str, timeout_s: float = 60.0, env: dict | None = None,
@@ -60,18 +77,23 @@ def spawn_shim(*args: str, timeout_s: float = 60.0, env: dict | None = None,
     """`refit-grpc shim ARGS --address 127.0.0.1:0`; returns once it prints its address (and,
     with `--metrics-address HOST:0`, its metrics endpoint's: the shim binds both ports itself).
 
-    A child started from the main thread is tied to this process's life. A shim that neither
+    A child started from the main thread is tied to this process's life: the shim itself asks
+    for SIGTERM when this process dies (`die_with_parent`). Nothing runs between fork and exec
+    (no `preexec_fn`), so starting shims beside live gRPC channels is safe. A shim that neither
     serves nor exits within `timeout_s` gets SIGUSR1 first (it dumps every thread's stack to its
     stderr), then SIGKILL.
     """
     cmd = [sys.executable, "-m", "refit_grpc.cli", "shim", *args]
     if "--address" not in args:
         cmd += ["--address", "127.0.0.1:0"]
-    # PDEATHSIG follows the creating *thread*: only the main thread's children get it, or a
+    child_env = {**os.environ, **(env or {})}
+    child_env.pop(DIE_WITH_PARENT_ENV, None)
+    # PDEATHSIG follows the creating *thread*: only the main thread's children ask for it, or a
     # shim started from a worker thread would be stopped when that thread ends.
-    tie = _die_with_parent if threading.current_thread() is threading.main_thread() else None
+    if threading.current_thread() is threading.main_thread():
+        child_env[DIE_WITH_PARENT_ENV] = str(os.getpid())
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                            env={**os.environ, **(env or {})}, preexec_fn=tie)
+                            env=child_env)
     # readline() on a pipe has no timeout: a thread reads, this one waits with one.
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_read_until_ready, args=(proc.stdout, lines), daemon=True,

@@ -11,20 +11,17 @@ each asks the kernel for SIGTERM when its parent, the fork server, goes).
 
 from __future__ import annotations
 
-import ctypes
 import io
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import sys
 from dataclasses import dataclass
 
-from refit_grpc.shim.process import READY_PREFIX
+from refit_grpc.shim.process import READY_PREFIX, die_with_parent
 
 _PRELOAD = ["refit_grpc.cli", "refit_grpc.collective", "refit_grpc.shim.server",
             "refit_grpc.shim.service", "refit_grpc.shim.engines.reference"]
-_PR_SET_PDEATHSIG = 1
 
 
 class _Lines(io.TextIOBase):
@@ -45,10 +42,7 @@ class _Lines(io.TextIOBase):
 
 
 def _run_shim(argv: list[str], conn: multiprocessing.connection.Connection) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    die_with_parent(os.getppid())  # the fork server, which ends with the process that started it
     sys.stdout = _Lines(conn)
     from refit_grpc.cli import main
 
