@@ -19,14 +19,14 @@ if TYPE_CHECKING:
     from refit_grpc.common import Deadline as Deadline
     from refit_grpc.common import PauseMode as PauseMode
     from refit_grpc.driver import ChannelSecurity as ChannelSecurity
-    from refit_grpc.driver.config import FleetConfig as FleetConfig
-    from refit_grpc.driver.config import FleetState as FleetState
-    from refit_grpc.driver.config import FleetStateError as FleetStateError
     from refit_grpc.driver import EpochHandle as EpochHandle
     from refit_grpc.driver import EpochReport as EpochReport
     from refit_grpc.driver import Fleet as Fleet
     from refit_grpc.driver import TrainerLink as TrainerLink
     from refit_grpc.driver import WorkerEndpoint as WorkerEndpoint
+    from refit_grpc.driver.config import FleetConfig as FleetConfig
+    from refit_grpc.driver.config import FleetState as FleetState
+    from refit_grpc.driver.config import FleetStateError as FleetStateError
     from refit_grpc.driver.failures import CanaryMismatchError as CanaryMismatchError
     from refit_grpc.driver.failures import EpochFailedError as EpochFailedError
     from refit_grpc.driver.failures import EpochRefusedError as EpochRefusedError
