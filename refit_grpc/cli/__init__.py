@@ -1,4 +1,10 @@
-"""`refit-grpc shim | call | health | fleet | demo | bench`: the command-line entry points."""
+"""`refit-grpc shim | call | health | fleet | demo | bench`: the command-line entry points.
+
+The parser and `main` live here; each command's body in its own module: `shim` (serve one
+engine), `call` (`call` and `health`), `fleet` (`fleet status | flush | abort`), and `security`
+(the TLS flags the three client commands share). Process spawning stays in
+`refit_grpc.shim.process`, which runs `python -m refit_grpc.cli shim`.
+"""
 
 from __future__ import annotations
 
@@ -6,101 +12,10 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
-from refit_grpc.plan import DEFAULT_BUFFER_SIZE_BYTES, DEFAULT_NUM_BUFFERS, Packing
-
-
-def _shim(args: argparse.Namespace) -> int:
-    import faulthandler
-    import signal
-
-    from refit_grpc.shim.process import die_with_parent_if_asked
-
-    die_with_parent_if_asked()  # spawn_shim's tie to its life, set here rather than before exec
-    # Operators (and spawn_shim on a start that hangs) get every thread's stack on SIGUSR1.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    import torch
-
-    from refit_grpc.shim.auth import (
-        ExposureError,
-        TlsFiles,
-        TokenAuthInterceptor,
-        check_exposure,
-    )
-    from refit_grpc.shim.engines import create_engine
-    from refit_grpc.shim.process import METRICS_PREFIX, READY_PREFIX
-    from refit_grpc.shim.server import ServerOptions, ShimServer
-    from refit_grpc.shim.service import ShimConfig
-
-    # The shim's torch work is byte copies and single-threaded decoding; intra-op thread pools
-    # only spin against the trainer and the other shims for the machine's cores.
-    torch.set_num_threads(args.torch_threads)
-    packing = Packing(args.buffer_size_bytes, args.num_buffers)
-    options: dict[str, str] = {}
-    for item in args.engine_option:
-        key, _, value = item.partition("=")
-        options[key] = value
-    # The flags that name an engine option go to the engine whose options have it.
-    engine = create_engine(args.engine, packing, **options, flags={
-        "url": args.engine_url, "model": args.model, "seed": args.seed})
-    import ipaddress
-
-    for cidr in args.allow_master:
-        try:
-            ipaddress.ip_network(cidr)
-        except ValueError as e:
-            raise SystemExit(f"--allow-master / REFIT_GRPC_ALLOW_MASTER: {e}") from None
-    config_kwargs = {"max_epoch_s": args.max_epoch_s,
-                     "allowed_master_networks": tuple(args.allow_master)}
-    if args.instance_id:
-        config_kwargs["instance_id"] = args.instance_id
-    tokens = _read_tokens(args.token_file)
-    tls = None
-    if args.tls_cert or args.tls_key:
-        if not (args.tls_cert and args.tls_key):
-            raise SystemExit("--tls-cert and --tls-key go together")
-        tls = TlsFiles(Path(args.tls_cert), Path(args.tls_key),
-                       Path(args.tls_client_ca) if args.tls_client_ca else None)
-    elif args.tls_client_ca:
-        raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
-    try:
-        check_exposure(args.address, tls=tls is not None, token=bool(tokens),
-                       allow_insecure=args.insecure_listen)
-    except ExposureError as e:
-        raise SystemExit(str(e)) from None
-    if args.metrics_address is not None:
-        from refit_grpc.shim.metrics import (
-            MetricsAddressError,
-            check_metrics_exposure,
-            parse_metrics_address,
-        )
-
-        try:
-            host, _ = parse_metrics_address(args.metrics_address)
-            check_metrics_exposure(host, allow_insecure=args.insecure_listen)
-        except MetricsAddressError as e:
-            raise SystemExit(str(e)) from None
-    server = ShimServer(engine, ShimConfig(**config_kwargs),
-                        ServerOptions(address=args.address, grace_s=args.grace_s,
-                                      metrics_address=args.metrics_address),
-                        credentials=tls.credentials() if tls else None,
-                        interceptors=(TokenAuthInterceptor(tokens),) if tokens else ()).start()
-    # Parent processes (demo, tests) read these lines to learn the ports (0 binds a free one).
-    if server.metrics is not None:
-        print(f"{METRICS_PREFIX}http://{server.metrics.address}/metrics", flush=True)
-    print(f"{READY_PREFIX}{server.address} {server.servicer.config.instance_id}", flush=True)
-    server.serve_until_signal()
-    return 0
-
-
-def _read_tokens(path: str | None) -> list[str]:
-    """Tokens, one per line, from --token-file or the REFIT_GRPC_TOKEN variable (never a flag:
-    flags show up in process listings)."""
-    if path:
-        return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
-    token = os.environ.get("REFIT_GRPC_TOKEN", "").strip()
-    return [token] if token else []
+from refit_grpc.cli.fleet import add_fleet_parser
+from refit_grpc.cli.security import add_security_flags, security_from_args
+from refit_grpc.plan import DEFAULT_BUFFER_SIZE_BYTES, DEFAULT_NUM_BUFFERS
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -109,21 +24,27 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(workers=args.workers, steps=args.steps, buffer_size_bytes=args.buffer_size_bytes)
 
 
+def _shim(args: argparse.Namespace) -> int:
+    from refit_grpc.cli.shim import run_shim
+
+    return run_shim(args)
+
+
 def _call(args: argparse.Namespace) -> int:
-    from refit_grpc.operator_call import call, security_from_args
+    from refit_grpc.cli.call import call
 
     return call(args.address, args.method, args.json, security=security_from_args(args),
                 timeout_s=args.timeout_s)
 
 
 def _health(args: argparse.Namespace) -> int:
-    from refit_grpc.operator_call import health, security_from_args
+    from refit_grpc.cli.call import health
 
     return health(args.address, security=security_from_args(args), timeout_s=args.timeout_s)
 
 
 def _fleet(args: argparse.Namespace) -> int:
-    from refit_grpc.operator_fleet import run_fleet_command
+    from refit_grpc.cli.fleet import run_fleet_command
 
     return run_fleet_command(args)
 
@@ -190,20 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     rpc.add_argument("method", help="Describe, Prepare, InitCollective, UpdateWeights, ...")
     rpc.add_argument("json", nargs="?", default="{}")
     rpc.add_argument("--timeout-s", type=float, default=30.0)
-    rpc.add_argument("--ca", help="CA certificate (PEM): use TLS")
-    rpc.add_argument("--cert", help="client certificate (PEM) for mTLS")
-    rpc.add_argument("--key", help="client key (PEM) for mTLS")
+    add_security_flags(rpc)
     rpc.set_defaults(func=_call)
 
     check = sub.add_parser("health", help="exit 0 when the shim at ADDRESS is SERVING")
     check.add_argument("address")
     check.add_argument("--timeout-s", type=float, default=2.0)
-    check.add_argument("--ca", help="CA certificate (PEM): use TLS")
-    check.add_argument("--cert", help="client certificate (PEM) for mTLS")
-    check.add_argument("--key", help="client key (PEM) for mTLS")
+    add_security_flags(check)
     check.set_defaults(func=_health)
-
-    from refit_grpc.operator_fleet import add_fleet_parser
 
     add_fleet_parser(sub, _fleet)
 

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from refit_grpc.cli.security import add_security_flags
+
 DIGEST_PREFIX = 12
 ERROR_WIDTH = 72
 
@@ -34,9 +36,7 @@ def add_fleet_parser(sub, func) -> None:
                         help="shims, one 'instance_id address' per line (# comments)")
     common.add_argument("--timeout-s", type=float, default=5.0, help="deadline of every call")
     common.add_argument("--json", action="store_true", help="one JSON document per round")
-    common.add_argument("--ca", help="CA certificate (PEM): use TLS")
-    common.add_argument("--cert", help="client certificate (PEM) for mTLS")
-    common.add_argument("--key", help="client key (PEM) for mTLS")
+    add_security_flags(common)
 
     fleet = sub.add_parser("fleet", help="status, flush or abort a list of shims "
                                          "(token from REFIT_GRPC_TOKEN)")
@@ -229,9 +229,9 @@ def run_fleet_command(args, out=None, err=None) -> int:
     except (UsageError, OSError) as e:
         print(f"refit-grpc fleet: {e}", file=err)
         return 2
+    from refit_grpc.cli.security import security_from_args
     from refit_grpc.driver.endpoint import WorkerEndpoint
     from refit_grpc.driver.fleet import Fleet
-    from refit_grpc.operator_call import security_from_args
 
     # Few retries: an operator wants to see a dead shim now, not after the driver's patience.
     fleet = Fleet([WorkerEndpoint(i, a) for i, a in workers], control_timeout_s=args.timeout_s,

@@ -5,7 +5,6 @@ client-side with a message naming the problem, before anything is sent."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import grpc
@@ -63,9 +62,3 @@ def health(address: str, *, security: ChannelSecurity, timeout_s: float, out=sys
     print(name, file=out)
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
-
-def security_from_args(args) -> ChannelSecurity:
-    read = (lambda p: open(p, "rb").read() if p else None)  # noqa: E731
-    return ChannelSecurity(root_certificates=read(args.ca), private_key=read(args.key),
-                           certificate_chain=read(args.cert),
-                           token=os.environ.get("REFIT_GRPC_TOKEN") or None)
