@@ -123,7 +123,7 @@ class RefitPlan:
     @classmethod
     def from_state_dict_info(cls, info: Mapping[str, tuple[Sequence[int], object]],
                              packing: Packing | None = None) -> RefitPlan:
-        """`{name: (shape, dtype)}` in iteration order, the seed's `prepare()` input.
+        """`{name: (shape, dtype)}` in iteration order, the `prepare()` input of NeMo RL's channel.
 
         dtype may be a torch.dtype or its name (with or without the "torch." prefix).
         """

@@ -299,7 +299,7 @@ def test_trainer_actor_refits_through_object_refs(ray_cluster, shim_procs):
         # The refs resolved: every shim holds the trainer's bytes at the new version.
         for d in described(shims):
             assert d.weight_version == version and d.weights_digest == out["digest"]
-            # Paused until a flush: the seed's update_weights does not resume the engines.
+            # Paused until a flush: NeMo RL's update_weights does not resume the engines.
             assert d.state == pb.SHIM_STATE_READY and d.paused
 
     # A stale version is refused before any byte: update_weights raises, typed, in the actor.

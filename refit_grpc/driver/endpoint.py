@@ -17,7 +17,7 @@ DEFAULT_SHIM_PORT = 50051
 
 @dataclass(frozen=True)
 class WorkerEndpoint:
-    """One engine's shim. Mirrors the seed's `DynamoWorkerEndpoint(instance_id, system_url)`."""
+    """One engine's shim. Mirrors NeMo RL's `DynamoWorkerEndpoint(instance_id, system_url)`."""
 
     instance_id: str
     address: str  # gRPC target of the shim, e.g. "10.0.0.7:50051"

@@ -1,6 +1,8 @@
 """The trainer's view of the fleet: one stub per shim, deadlines, retries, epochs.
 
-Its surface mirrors NeMo RL's `DynamoRefitChannel` so trainer code written for it can switch:
+Its surface mirrors NeMo RL's `DynamoRefitChannel` (`nemo_rl.models.generation.dynamo.refit`:
+the HTTP-JSON refit over Dynamo's RL routes that this project replaces; the code and docs call
+it "NeMo RL's channel") so trainer code written for it can switch:
 `client_copy()`, `inference_world_size`, `sender_spec`, `prepare()`, `init_collective()` and
 `update_weights()` returning handles, `flush_cache()`. On top: `connect()` (group + trainer join),
 `refit()` (one whole epoch), `describe()`, `abort()`.
@@ -139,7 +141,7 @@ class Fleet:
         self._joined_instances: tuple[str, ...] | None = None
         self._version = 0
 
-    # --- the seed's surface ----------------------------------------------------------------
+    # --- NeMo RL's channel's surface ------------------------------------------------------
 
     def client_copy(self) -> Fleet:
         """Endpoints and configuration only (no validator, no state): safe to ship to rollout

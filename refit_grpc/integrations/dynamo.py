@@ -1,5 +1,5 @@
 """NVIDIA Dynamo worker fleets: find the workers through Dynamo's RL discovery, map each to the
-shim next to it, and re-read discovery before every epoch (the seed's membership check).
+shim next to it, and re-read discovery before every epoch (NeMo RL's channel's membership check).
 
     discovery = DynamoDiscovery("http://frontend:8001", ShimAddressing(port=50051))
     fleet = discovery.fleet(engine_world_size=1, epoch_timeout_s=600)

@@ -1,15 +1,15 @@
-"""NeMo RL's `DynamoRefitChannel`, on a refit_grpc `Fleet`, with Ray `ObjectRef`s where the seed
-returns them.
+"""NeMo RL's `DynamoRefitChannel`, on a refit_grpc `Fleet`, with Ray `ObjectRef`s where NeMo
+RL's channel returns them.
 
     # was: from nemo_rl.models.generation.dynamo.refit import DynamoRefitChannel
     from refit_grpc.integrations.ray import DynamoRefitChannel
 
-The surface is the seed's: the constructor `(workers, *, engine_world_size, control_timeout_s,
+The surface is NeMo RL's channel's: the constructor `(workers, *, engine_world_size, control_timeout_s,
 validate_workers=None)` (plus optional refit_grpc settings), the `workers`, `engine_world_size`,
 `control_timeout_s` and `validate_workers` attributes, `client_copy()`, `inference_world_size`,
 `sender_spec`, `prepare()`, `init_collective() -> list[ObjectRef]`,
 `update_weights() -> list[ObjectRef]` and `flush_cache() -> bool`. Worker metadata must name
-each engine's shim (`address`, the gRPC target); the seed's `system_url` is not used.
+each engine's shim (`address`, the gRPC target); NeMo RL's `system_url` is not used.
 
 The data group's name is derived, not minted: `group_name(ip, port, world_size,
 train_world_size=..., plan_digest=...)`, from what the trainer ranks and the channel both hold
@@ -146,7 +146,7 @@ def _rebuild(cls: type[RefitChannel], workers: tuple[WorkerEndpoint, ...],
 
 
 class RefitChannel:
-    """The seed's `DynamoRefitChannel` surface on a refit_grpc `Fleet` (module docstring)."""
+    """NeMo RL's `DynamoRefitChannel` surface on a refit_grpc `Fleet` (module docstring)."""
 
     def __init__(self, workers: Sequence[Mapping[str, Any] | WorkerEndpoint], *,
                  engine_world_size: int,
@@ -185,7 +185,7 @@ class RefitChannel:
         self._formations: dict[str, list[Future]] = {}
         self._formations_lock = threading.Lock()
 
-    # --- the seed's surface ----------------------------------------------------------------
+    # --- NeMo RL's channel's surface ------------------------------------------------------
 
     def client_copy(self) -> RefitChannel:
         """Endpoints and settings only (no validator, no plan, no group): what rollout actors
@@ -205,8 +205,8 @@ class RefitChannel:
     @property
     def sender_spec(self) -> Packing:
         """The packing every receiver splits buckets by: the configured one, or the one every
-        shim offers (one Describe round, bounded by `control_timeout_s`, then remembered). The
-        seed returns fixed constants here; refit_grpc agrees on them with the shims instead."""
+        shim offers (one Describe round, bounded by `control_timeout_s`, then remembered). NeMo
+        RL's channel returns fixed constants here; refit_grpc agrees on them with the shims instead."""
         return self._fleet.negotiate_packing()
 
     def prepare(self, state_dict_info: Mapping[str, tuple[Sequence[int], Any]] | None) -> None:
@@ -412,5 +412,5 @@ def _watch_epoch(actor, handle: EpochHandle, keys: list[str]) -> None:
             _settle(actor, key, False, error)
 
 
-# The seed's name, so that switching NeMo RL to refit_grpc is one import.
+# NeMo RL's class name, so that switching NeMo RL to refit_grpc is one import.
 DynamoRefitChannel = RefitChannel

@@ -9,7 +9,7 @@ receiver processes over gloo on loopback, and ends when every receiver has the b
   control plane: what the data path costs on top of the floor.
 - refit_grpc: `Fleet.refit(..., flush=False)` against shim processes (reference engine, store
   mode): membership check, UpdateWeights, two-phase start, broadcast, apply, every COMMITTED.
-- HTTP-JSON: the seed's way (`refit_grpc.tools.bench_http`): per worker, JSON posts to start,
+- HTTP-JSON: NeMo RL's Dynamo refit (`refit_grpc.tools.bench_http`): per worker, JSON posts to start,
   update (blocking while the trainer broadcasts) and finish, the trainer sending with vLLM's
   packed producer (a fresh `torch.cat` per bucket); same engine and receiver as refit_grpc.
 

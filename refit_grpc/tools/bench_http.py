@@ -1,4 +1,4 @@
-"""The HTTP-JSON baseline for the benchmark: the seed's way of driving a refit, reproduced.
+"""The HTTP-JSON baseline for the benchmark: NeMo RL's Dynamo refit, reproduced.
 
 NeMo RL's Dynamo refit posts JSON to `{system_url}/engine/{route}`: per worker, start the update,
 update with the stored plan (the call blocks while the trainer broadcasts), finish; no schema, no
@@ -36,7 +36,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             getattr(self, f"_{route}")(body)
             answer, code = {"status": "ok"}, 200
-        except Exception as e:  # noqa: BLE001  (the seed folds every error into the body)
+        except Exception as e:  # noqa: BLE001  (NeMo RL's routes fold every error into the body)
             answer, code = {"status": "error", "error": str(e)}, 500
         data = json.dumps(answer).encode()
         self.send_response(code)
@@ -85,7 +85,7 @@ def post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json",
                                               "Connection": "close"})
-    with urllib.request.urlopen(request) as reply:  # no timeout: the seed's behaviour
+    with urllib.request.urlopen(request) as reply:  # no timeout: NeMo RL's behaviour
         answer = json.loads(reply.read())
     if answer.get("status") != "ok":
         raise RuntimeError(answer)
@@ -93,7 +93,7 @@ def post(url: str, body: dict) -> dict:
 
 
 class SeedSender:
-    """The seed's trainer side: vLLM 0.32's `packed_nccl_broadcast_producer` with its
+    """NeMo RL's trainer side: vLLM 0.32's `packed_nccl_broadcast_producer` with its
     `pack_tensors` (vllm/distributed/weight_transfer/packed_tensor.py), transcribed for a gloo
     group. Same buckets as refit_grpc (a bucket closes after the tensor that crosses the size);
     every bucket is a fresh `torch.cat` of its tensors' bytes, broadcast asynchronously and kept
@@ -124,7 +124,7 @@ class SeedSender:
 
 
 class HttpFleet:
-    """The seed's driver, minus its retries: one thread per worker, three sequential posts."""
+    """NeMo RL's driver, minus its retries: one thread per worker, three sequential posts."""
 
     def __init__(self, urls: list[str]):
         self.urls = urls
