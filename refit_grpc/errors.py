@@ -32,6 +32,14 @@ class Code(enum.Enum):
 
 
 class RefitError(Exception):
+    """The base of every refit_grpc error: a message, the status code it maps to, a `Reason`.
+
+    Args:
+        message: what went wrong (also `message`).
+        reason: the machine-readable reason (also `reason`); by default the class's
+            `default_reason`.
+    """
+
     code: Code = Code.UNKNOWN
     default_reason: Reason = Reason.REFIT_ERROR
 
@@ -56,36 +64,50 @@ def _restore_error(cls: type[RefitError], args: tuple, state: dict) -> RefitErro
 
 
 class InvalidArgumentError(RefitError, ValueError):
+    """A malformed argument (INVALID_ARGUMENT); also a `ValueError`."""
+
     code = Code.INVALID_ARGUMENT
     default_reason = Reason.INVALID_ARGUMENT
 
 
 class InvalidPlanError(InvalidArgumentError):
+    """A malformed plan: a tensor's name, shape or dtype (INVALID_PLAN)."""
+
     default_reason = Reason.INVALID_PLAN
 
 
 class PlanTooLargeError(RefitError, ValueError):
+    """A plan over the message or buffer limits (RESOURCE_EXHAUSTED); also a `ValueError`."""
+
     code = Code.RESOURCE_EXHAUSTED
     default_reason = Reason.PLAN_TOO_LARGE
 
 
 class ResourceExhaustedError(RefitError, RuntimeError):
+    """Out of a resource: memory, a buffer, a limit (RESOURCE_EXHAUSTED)."""
+
     code = Code.RESOURCE_EXHAUSTED
     default_reason = Reason.RESOURCE_EXHAUSTED
 
 
 class FailedPreconditionError(RefitError, RuntimeError):
-    """Wrong state, stale version, digest or group mismatch: refused before any byte moves."""
+    """Wrong state, stale version, digest or group mismatch: refused before any byte moves
+    (FAILED_PRECONDITION); also a `RuntimeError`."""
 
     code = Code.FAILED_PRECONDITION
     default_reason = Reason.FAILED_PRECONDITION
 
 
 class MembershipChangedError(FailedPreconditionError):
+    """A worker is not the instance that joined the group: it restarted since
+    (FAILED_PRECONDITION)."""
+
     default_reason = Reason.MEMBERSHIP_CHANGED
 
 
 class EpochAbortedError(RefitError, RuntimeError):
+    """The epoch was aborted after it began (ABORTED); also a `RuntimeError`."""
+
     code = Code.ABORTED
     default_reason = Reason.EPOCH_ABORTED
 
@@ -97,15 +119,22 @@ class CollectiveError(EpochAbortedError):
 
 
 class RefitTimeoutError(RefitError, TimeoutError):
+    """A deadline passed (DEADLINE_EXCEEDED); also a `TimeoutError`."""
+
     code = Code.DEADLINE_EXCEEDED
     default_reason = Reason.DEADLINE_EXCEEDED
 
 
 class EngineUnavailableError(RefitError, ConnectionError):
+    """The engine behind a shim does not answer (UNAVAILABLE); also a `ConnectionError`."""
+
     code = Code.UNAVAILABLE
     default_reason = Reason.ENGINE_UNAVAILABLE
 
 
 class UnauthenticatedError(RefitError, PermissionError):
+    """A call without a valid token or certificate (UNAUTHENTICATED); also a
+    `PermissionError`."""
+
     code = Code.UNAUTHENTICATED
     default_reason = Reason.UNAUTHENTICATED

@@ -17,7 +17,12 @@ DEFAULT_SHIM_PORT = 50051
 
 @dataclass(frozen=True)
 class WorkerEndpoint:
-    """One engine's shim. Mirrors NeMo RL's `DynamoWorkerEndpoint(instance_id, system_url)`."""
+    """One engine's shim. Mirrors NeMo RL's `DynamoWorkerEndpoint(instance_id, system_url)`.
+
+    Args:
+        instance_id: the engine's name in failures and reports; unique in a fleet.
+        address: the shim's gRPC target, e.g. "10.0.0.7:50051".
+    """
 
     instance_id: str
     address: str  # gRPC target of the shim, e.g. "10.0.0.7:50051"
@@ -25,13 +30,26 @@ class WorkerEndpoint:
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], *,
                       shim_port: int = DEFAULT_SHIM_PORT) -> WorkerEndpoint:
-        """Reads `instance_id` and `address` (or `grpc_address`); other keys are ignored.
+        """An endpoint from a worker's metadata: `instance_id` and `address` (or
+        `grpc_address`); other keys are ignored.
 
         A record of Dynamo's RL discovery (`GET /v1/rl/workers`: `instance_id`, `system_url`,
         no address) names the worker, not its shim. It maps to the shim next to that worker:
         `shim_address` where the record carries one (an operator's mapping, as
         `refit_grpc.integrations.dynamo.ShimAddressing` adds), else the `system_url`'s host at
-        `shim_port` (the shim's default port, 50051, unless told otherwise)."""
+        `shim_port`.
+
+        Args:
+            metadata: the worker's record.
+            shim_port: the shims' port on a `system_url`'s host (the shim's default, 50051,
+                unless told otherwise).
+
+        Returns:
+            The endpoint of the worker's shim.
+
+        Raises:
+            ValueError: no instance_id, or no address and no usable `system_url`.
+        """
         instance_id = metadata.get("instance_id")
         address = metadata.get("address") or metadata.get("grpc_address") \
             or metadata.get("shim_address")
@@ -55,7 +73,15 @@ def shim_address_on_host(system_url: str, shim_port: int) -> str:
 
 @dataclass(frozen=True)
 class ChannelSecurity:
-    """How the driver reaches shims: plaintext, TLS (optionally mutual) and/or a bearer token."""
+    """How the driver reaches shims: plaintext, TLS (optionally mutual) and/or a bearer token.
+
+    Args:
+        root_certificates: the CA (PEM) that shims' certificates chain to; set, TLS is used.
+        private_key: the client key (PEM), for mutual TLS.
+        certificate_chain: the client certificate chain (PEM), for mutual TLS.
+        token: a bearer token sent with every call (the shims' `--token-file`).
+        server_name: the TLS server name to check, when certificates name "shim" not an IP.
+    """
 
     root_certificates: bytes | None = None
     private_key: bytes | None = None
@@ -66,12 +92,23 @@ class ChannelSecurity:
 
     @property
     def tls(self) -> bool:
+        """TLS is used (a CA is set)."""
         return self.root_certificates is not None
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata: the bearer token's `authorization` header, if any."""
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
     def open(self, address: str) -> grpc.Channel:
+        """Open a channel to a shim, with the project's message limits, reconnect backoff and
+        keepalive.
+
+        Args:
+            address: the shim's gRPC target.
+
+        Returns:
+            A plaintext or TLS channel, as configured.
+        """
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

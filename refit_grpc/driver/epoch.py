@@ -59,7 +59,10 @@ class StreamPhase(enum.Enum):
 
 
 class EpochHandle:
-    """One UpdateWeights stream per worker, each consumed on a thread of the fleet's stream
+    """One UpdateWeights epoch, as `Fleet.update_weights()` returns it: wait with
+    `wait_accepted()`, broadcast, then `result()`.
+
+    One UpdateWeights stream per worker, each consumed on a thread of the fleet's stream
     pool (`streams`): threads that outlive one epoch, because starting a thread waits for it
     to be scheduled, and on a loaded host 8 such starts cost the epoch more than its messages.
 
@@ -102,26 +105,41 @@ class EpochHandle:
     # --- public surface ----------------------------------------------------------------------
 
     def remaining(self) -> float:
-        """Seconds left before the epoch's deadline (negative once past)."""
+        """Seconds left before the epoch's deadline.
+
+        Returns:
+            The seconds left, negative once past.
+        """
         return self.deadline_at - time.monotonic()
 
     def send_deadline(self) -> Deadline:
-        """The sender's deadline: the epoch's, cancelled by the first worker failure."""
+        """The sender's deadline.
+
+        Returns:
+            The epoch's deadline, cancelled by the first worker failure.
+        """
         return Deadline(max(self.remaining(), 0.001), cancel=self.failed)
 
     def phases(self) -> list[StreamPhase]:
+        """Each worker's stream phase, in fleet order."""
         with self._changed:
             return list(self._phase)
 
     def wait_accepted(self, timeout_s: float | None = None) -> None:
-        """Block until every worker said ACCEPTED. Raises EpochRefusedError (after aborting the
-        fleet) if any refused, FleetTimeoutError if any stays silent past the timeout.
+        """Block until every worker said ACCEPTED.
 
         The first failure aborts the fleet; the refusal then names every worker that failed
         until the streams settle (bounded by _SETTLE_AFTER_REFUSAL_S), root causes first: a
         dead shim's UNAVAILABLE can arrive after a survivor's COLLECTIVE_FAILED (its receive
         reset by that dead peer), and it is the dead one that must lead. Failures that the
         driver's own Abort explains (`explained_by_abort`) and that came after it name no one.
+
+        Args:
+            timeout_s: the most to wait; by default until the epoch's deadline.
+
+        Raises:
+            EpochRefusedError: a worker refused (the fleet aborted first).
+            FleetTimeoutError: a worker stayed silent past the timeout.
         """
         end = min(self.deadline_at, time.monotonic() + (timeout_s or float("inf")))
         with self._changed:
@@ -156,10 +174,20 @@ class EpochHandle:
                            Reason.ACCEPT_TIMEOUT, "no ACCEPTED") for e in silent])
 
     def result(self, timeout_s: float | None = None) -> list[pb.UpdateWeightsResponse]:
-        """Block until every worker COMMITTED; raise EpochFailedError naming each failure.
+        """Block until every worker COMMITTED.
 
         The first failure aborts the fleet at once: survivors blocked in a collective with a dead
         peer would otherwise wait out their whole deadline.
+
+        Args:
+            timeout_s: the most to wait; by default the epoch's deadline (plus 2 s).
+
+        Returns:
+            Each worker's COMMITTED message, in fleet order.
+
+        Raises:
+            EpochFailedError: a worker failed; names each failure, root causes first.
+            FleetTimeoutError: the only failures are workers with no COMMITTED in time.
         """
         end = min(self.deadline_at + 2.0, time.monotonic() + (timeout_s or float("inf")))
         with self._changed:
@@ -187,7 +215,11 @@ class EpochHandle:
         raise cls(f"epoch {self.version} failed", root_causes_first(failures))
 
     def abort(self, reason: str) -> None:
-        """Abort the fleet once for this epoch (every later call is a no-op)."""
+        """Abort the fleet once for this epoch (every later call is a no-op).
+
+        Args:
+            reason: recorded by every shim.
+        """
         with self._changed:
             if self._aborted:
                 return
@@ -207,12 +239,17 @@ class EpochHandle:
             call.cancel()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Cancel what is still open and wait (bounded) for the stream consumers to end."""
+        """Cancel what is still open and wait (bounded) for the stream consumers to end.
+
+        Args:
+            timeout_s: the most to wait for the consumers.
+        """
         self.cancel()
         futures.wait(self._consumers, timeout=timeout_s)
 
     @property
     def closed(self) -> bool:
+        """Every stream consumer has ended."""
         return all(f.done() for f in self._consumers)
 
     # --- the streams -------------------------------------------------------------------------

@@ -18,6 +18,16 @@ from refit_grpc.reasons import Reason
 
 @dataclass(frozen=True)
 class WorkerFailure:
+    """What one worker said (or did not say) when a fleet call failed.
+
+    Args:
+        instance_id: the worker's `WorkerEndpoint.instance_id`.
+        address: the shim's gRPC target.
+        code: the gRPC status code.
+        reason: a `Reason` when refit_grpc sent it; else the status code's name.
+        message: the status message.
+    """
+
     instance_id: str
     address: str
     code: grpc.StatusCode
@@ -29,7 +39,13 @@ class WorkerFailure:
 
 
 class FleetError(RefitError, RuntimeError):
-    """One or more workers failed a fleet call; `failures` names each with its reason."""
+    """One or more workers failed a fleet call; `failures` names each with its reason.
+
+    Args:
+        message: what failed; the failures are appended to it.
+        failures: one `WorkerFailure` per failed worker (may be empty: a fleet-wide failure).
+        reason: the error's `Reason`; by default the class's `default_reason`.
+    """
 
     code = Code.ABORTED
     default_reason = Reason.FLEET_CALL_FAILED
@@ -42,44 +58,61 @@ class FleetError(RefitError, RuntimeError):
 
     @property
     def reasons(self) -> set[str]:
+        """The failed workers' reasons."""
         return {f.reason for f in self.failures}
 
     @property
     def workers(self) -> list[str]:
+        """The failed workers' instance ids, in the order of `failures`."""
         return [f.instance_id for f in self.failures]
 
 
 class EpochRefusedError(FleetError):
-    """At least one worker refused the epoch before any byte was broadcast."""
+    """At least one worker refused the epoch before any byte was broadcast; nobody is left
+    waiting in the collective. Re-form the group (`connect()`) and re-run the epoch."""
 
     default_reason = Reason.EPOCH_REFUSED
 
 
 class MembershipRefusedError(EpochRefusedError, MembershipChangedError):
     """Every refusal said MEMBERSHIP_CHANGED: a worker restarted since the group was formed.
-    Both an EpochRefusedError (naming the workers) and a MembershipChangedError."""
+
+    Both an EpochRefusedError (naming the workers) and a MembershipChangedError.
+    """
 
     default_reason = Reason.MEMBERSHIP_CHANGED
 
 
 class EpochFailedError(FleetError):
-    """The epoch failed after the broadcast began; the fleet was aborted."""
+    """The epoch failed after the broadcast began; the fleet was aborted, and the engines that
+    failed are BROKEN until they are prepared again."""
 
     default_reason = Reason.EPOCH_FAILED
 
 
 class WeightsMismatchError(FleetError):
-    """Every engine committed, but their weights digests differ (`refit(verify_weights=True)`);
-    the fleet was not flushed, so the engines stay paused and serve nothing."""
+    """Every engine committed, but their weights digests differ (`refit(verify_weights=True)`).
+
+    The fleet was not flushed, so the engines stay paused and serve nothing; `failures` names
+    the engines whose digest is not the fleet's.
+    """
 
     default_reason = Reason.WEIGHTS_MISMATCH
 
 
 class CanaryMismatchError(FleetError):
     """Every engine committed, but some computed the canary's log-probabilities away from the
-    trainer's by more than the tolerance, or could not compute them (`refit(canary=...)`); the
-    fleet was not flushed, so the engines stay paused and serve nothing. `failures` names the
-    engines that differ; `gaps` has every engine's largest difference (inf where none came)."""
+    trainer's by more than the tolerance, or could not compute them (`refit(canary=...)`).
+
+    The fleet was not flushed, so the engines stay paused and serve nothing.
+
+    Args:
+        message: what failed.
+        failures: the engines that differ.
+        gaps: every engine's largest difference, by instance id (inf where none came); kept
+            as `gaps`.
+        reason: by default CANARY_MISMATCH.
+    """
 
     default_reason = Reason.CANARY_MISMATCH
 
@@ -90,12 +123,23 @@ class CanaryMismatchError(FleetError):
 
 
 class FleetTimeoutError(FleetError, TimeoutError):
+    """Workers stayed silent past a deadline (no ACCEPTED, no COMMITTED); `failures` names them.
+    Also a built-in `TimeoutError`."""
+
     code = Code.DEADLINE_EXCEEDED
     default_reason = Reason.DEADLINE_EXCEEDED
 
 
 def failure_from_rpc(endpoint: WorkerEndpoint, err: grpc.RpcError) -> WorkerFailure:
-    """A WorkerFailure with the ErrorInfo reason the shim attached (or the status code's name)."""
+    """Decode a failed call to a shim.
+
+    Args:
+        endpoint: the shim called.
+        err: the call's error.
+
+    Returns:
+        A WorkerFailure with the ErrorInfo reason the shim attached (or the status code's name).
+    """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     reason = code.name
     message = err.details() if hasattr(err, "details") else str(err)

@@ -102,6 +102,8 @@ class Fleet:
             which override it (`Fleet(workers, epoch_timeout_s=60)`).
         validate_workers: NeMo RL's membership hook: called with the workers' metadata before
             each group formation and epoch; a different answer is MEMBERSHIP_CHANGED.
+        **overrides: `FleetConfig` fields, overriding `config`'s.
+
     Raises:
         InvalidArgumentError: no worker, duplicate instance ids, or a bad configuration value.
     """
@@ -144,8 +146,11 @@ class Fleet:
     # --- NeMo RL's channel's surface ------------------------------------------------------
 
     def client_copy(self) -> Fleet:
-        """Endpoints and configuration only (no validator, no state): safe to ship to rollout
-        actors."""
+        """A copy to ship to rollout actors: endpoints and configuration only.
+
+        Returns:
+            A new `Fleet` on the same shims, with no validator, plan or group.
+        """
         return Fleet(self.endpoints, self.config)
 
     def __getstate__(self) -> dict:
@@ -156,8 +161,11 @@ class Fleet:
 
     @property
     def state(self) -> FleetState:
-        """Derived from what the fleet holds, never stored: CLOSED, else CONNECTED with a data
-        group, else PREPARED with a plan, else EMPTY."""
+        """The fleet's state, derived from what it holds, never stored.
+
+        Returns:
+            CLOSED, else CONNECTED with a data group, else PREPARED with a plan, else EMPTY.
+        """
         if self._closed:
             return FleetState.CLOSED
         if self._group_id is not None:
@@ -178,12 +186,20 @@ class Fleet:
 
     @property
     def inference_world_size(self) -> int:
+        """The engines' ranks in the group: workers x `engine_world_size`."""
         return len(self.endpoints) * self.config.engine_world_size
 
     @property
     def sender_spec(self) -> Packing:
-        """The packing contract: the configured one, or the one `negotiate_packing()` (which
-        `prepare()` calls) agreed with the shims. No I/O: before either, this raises."""
+        """The packing contract, without I/O.
+
+        Returns:
+            The configured packing, or the one `negotiate_packing()` (which `prepare()` calls)
+            agreed with the shims.
+
+        Raises:
+            FleetStateError: FLEET_NOT_PREPARED, the packing is not known yet.
+        """
         if self._packing is None:
             raise FleetStateError("the packing is not known yet: pass packing= to Fleet, or "
                                   "call prepare() or negotiate_packing() first",
@@ -191,8 +207,15 @@ class Fleet:
         return self._packing
 
     def negotiate_packing(self) -> Packing:
-        """The configured packing, or the one every shim offers (Describe): they must agree, or
-        receivers would mis-split bytes silently."""
+        """The packing every receiver splits buckets by, agreed once with the shims.
+
+        Returns:
+            The configured packing, or the one every shim offers (one Describe round).
+
+        Raises:
+            FleetError: the shims offer different packings (receivers would mis-split bytes
+                silently), or a Describe failed.
+        """
         if self._packing is None:
             offers = {(d.packing.buffer_size_bytes, d.packing.num_buffers)
                       for d in self.describe(weights_digest=False)}
@@ -205,16 +228,35 @@ class Fleet:
 
     @property
     def plan(self) -> RefitPlan | None:
+        """The plan of the last `prepare()`, or None before it."""
         return self._plan
 
     @property
     def group_id(self) -> str | None:
-        """The data group of the last `init_collective()` (its store prefix): what a trainer rank
-        joining on its own needs (`collective.Group.join`); None before, or after a failed epoch."""
+        """The data group of the last `init_collective()` (its store prefix).
+
+        Returns:
+            What a trainer rank joining on its own needs (`collective.Group.join`); None before
+            any formation, or after a failed epoch.
+        """
         return self._group_id
 
     def prepare(self, state_dict_info: Mapping[str, tuple[Sequence[int], Any]]) -> RefitPlan:
-        """Store the plan on every shim; `{name: (shape, dtype)}` in packing order."""
+        """Store the plan on every shim.
+
+        Args:
+            state_dict_info: `{name: (shape, dtype)}` in packing order (dtype a torch.dtype or
+                its name).
+
+        Returns:
+            The plan, whose digest every shim computed alike.
+
+        Raises:
+            FleetStateError: FLEET_CLOSED.
+            InvalidArgumentError: no plan (INVALID_PLAN) or a malformed one.
+            FleetError: a shim refused or failed, or computed another digest
+                (PLAN_DIGEST_MISMATCH).
+        """
         refuse_unless(self.state, _OPEN, "prepare()")
         if state_dict_info is None:
             raise InvalidArgumentError("state_dict_info is None", reason=Reason.INVALID_PLAN)
@@ -237,17 +279,31 @@ class Fleet:
 
     def init_collective(self, ip: str, port: int, world_size: int, *,
                         train_world_size: int, group_id: str | None = None) -> list[Future]:
-        """Ask every shim to join the group; returns one future per worker (JOINED), without
-        waiting: the rendezvous completes only once the trainer ranks join too.
+        """Ask every shim to join the group, without waiting: the rendezvous completes only once
+        the trainer ranks join too.
 
-        `group_id` names the group (its store prefix, what every rank joins under); by default
-        a fresh random one per call. A caller that passes its own must keep it unique per
-        formation (docs/protocol.md, "Group names").
+        Args:
+            ip: the trainer's rank 0 address, where its store listens.
+            port: where that store already listens, or will: shims retry until it does, within
+                the join deadline. To leave no window between picking a port and binding it,
+                bind first (`collective.bind_master_store(ip, 0, ...)`, then `store.port`);
+                `connect()` does that itself.
+            world_size: `train_world_size + inference_world_size`.
+            train_world_size: the trainer's ranks (they come first).
+            group_id: the group's name (its store prefix, what every rank joins under); by
+                default a fresh random one per call. A caller that passes its own must keep it
+                unique per formation (docs/protocol.md, "Group names").
 
-        `port` is where the trainer's rank 0 store already listens, or will: shims retry until
-        it does, within the join deadline. To leave no window between picking a port and
-        binding it, bind first (`collective.bind_master_store(ip, 0, ...)`, then `store.port`);
-        `connect()` does that itself."""
+        Returns:
+            One future per worker, in fleet order, resolving to its JOINED message or raising
+            `FleetError` naming it.
+
+        Raises:
+            FleetStateError: no plan (FLEET_NOT_PREPARED) or FLEET_CLOSED.
+            InvalidArgumentError: an empty group_id, a port out of range or a world size that
+                does not add up.
+            MembershipRefusedError: the workers changed since the last formation.
+        """
         if group_id is not None and not group_id:
             raise InvalidArgumentError("group_id is empty", reason=Reason.INVALID_GROUP_ID)
         if not 0 < port < 65536:
@@ -292,12 +348,25 @@ class Fleet:
     def connect(self, ip: str, port: int = 0, *, train_world_size: int = 1,
                 device: torch.device | int | None = None) -> TrainerLink:
         """Form the group: every shim joins (InitCollective) and this process joins as trainer
-        rank 0, through the project's own group (gloo) or vLLM's NCCL rendezvous (nccl; `device`
-        is the GPU to send from).
+        rank 0, through the project's own group (gloo) or vLLM's NCCL rendezvous (nccl).
 
-        This process's rendezvous store listens on `port` before any shim is told where; with
-        0, the default, the kernel picks a free port as the store binds it, so no other process
-        can take it in between. The link reports the port (`link.port`)."""
+        Args:
+            ip: this process's address, where its rendezvous store listens.
+            port: the store's port, bound before any shim is told where; with 0, the default,
+                the kernel picks a free port as the store binds it, so no other process can
+                take it in between.
+            train_world_size: must be 1 (several trainer ranks: `init_collective()`).
+            device: nccl only, the GPU to send from.
+
+        Returns:
+            The trainer's end of the group (`link.port` says the port); pass it to `refit()`.
+
+        Raises:
+            FleetStateError: no plan (FLEET_NOT_PREPARED) or FLEET_CLOSED.
+            InvalidArgumentError: train_world_size other than 1, or nccl without CUDA
+                (BACKEND_UNAVAILABLE).
+            FleetError: a shim or this process could not join (the fleet is aborted first).
+        """
         if train_world_size != 1:
             raise InvalidArgumentError("connect() joins as the only trainer rank; with several "
                                        "trainer ranks call init_collective() and join each rank")
@@ -350,11 +419,26 @@ class Fleet:
                        on_progress: ProgressCallback | None = None, *,
                        verify_weights: bool = False,
                        canary: Canary | None = None) -> EpochHandle:
-        """Open an epoch on every shim; returns the handle the trainer waits on while it
-        broadcasts. Version defaults to the last one + 1. `verify_weights`: every engine
-        reports its weights digest in COMMITTED (it reads every weight). `canary`: every
-        engine computes its log-probabilities after the commit and reports them in COMMITTED
-        (`check_canary` compares them)."""
+        """Open an epoch on every shim, without waiting for it.
+
+        Args:
+            version: the epoch's version; by default the last one + 1.
+            pause_mode: how the engines pause their requests for the epoch.
+            on_progress: called for each PROGRESS message (a bucket applied).
+            verify_weights: every engine reports its weights digest in COMMITTED (it reads
+                every weight).
+            canary: every engine computes its log-probabilities after the commit and reports
+                them in COMMITTED (`check_canary` compares them).
+
+        Returns:
+            The handle the trainer waits on while it broadcasts (`wait_accepted()`, then
+            `result()`).
+
+        Raises:
+            FleetStateError: not CONNECTED (FLEET_NOT_PREPARED, FLEET_NOT_CONNECTED,
+                FLEET_CLOSED).
+            MembershipRefusedError: the workers changed since the group formed.
+        """
         plan = self._plan_for("update_weights()", (FleetState.CONNECTED,))
         self._check_membership()
         version = self._version + 1 if version is None else version
@@ -387,15 +471,35 @@ class Fleet:
         """One whole epoch: UpdateWeights everywhere, wait for every ACCEPTED, broadcast, wait for
         every COMMITTED, then (by default) flush so engines serve the new weights.
 
-        `verify_weights`: every engine computes its weights digest at commit, and engines that
-        disagree raise WeightsMismatchError naming them, before the flush: every engine stays
-        paused on the new version, serving nothing, until the operator decides.
+        Args:
+            link: the trainer's end of the group, from `connect()`.
+            tensors: the weights, `{name: tensor}` as the plan names them.
+            version: the epoch's version; by default the last one + 1.
+            flush: flush every engine after the commit, so it serves the new weights.
+            pause_mode: how the engines pause their requests for the epoch.
+            on_progress: called for each PROGRESS message (a bucket applied).
+            verify_weights: every engine computes its weights digest at commit; engines that
+                disagree raise WeightsMismatchError, before the flush: every engine stays
+                paused on the new version, serving nothing, until the operator decides.
+            canary: after the commit, before any engine serves again, every engine computes
+                the canary's teacher-forced log-probabilities; each engine's gap is in the
+                report (`WorkerReport.canary_gap`).
 
-        `canary`: after the commit, before any engine serves again, every engine computes the
-        canary's teacher-forced log-probabilities; an engine farther from the trainer's than
-        `canary.tolerance` at any position (or unable to compute them) raises
-        CanaryMismatchError naming it, before the flush (every engine stays paused). Each
-        engine's gap is in the report (`WorkerReport.canary_gap`)."""
+        Returns:
+            The epoch's report: version, bytes, times, one `WorkerReport` per engine.
+
+        Raises:
+            InvalidArgumentError: tensors that do not match the plan (before any shim pauses).
+            FleetStateError: not CONNECTED.
+            EpochRefusedError: refused before any byte moved (`MembershipRefusedError` when a
+                worker restarted since the group formed); the group is dropped.
+            EpochFailedError: failed mid-broadcast; the fleet is aborted.
+            FleetTimeoutError: the epoch ran past `epoch_timeout_s`.
+            WeightsMismatchError: engines' digests disagree (`verify_weights`).
+            CanaryMismatchError: an engine farther from the trainer's log-probabilities than
+                `canary.tolerance` at any position, or unable to compute them.
+            FleetError: the flush failed.
+        """
         link.sender.check_tensors(tensors)  # refuse bad input before any shim pauses
         t0 = time.monotonic()
         handle = self.update_weights(version, pause_mode, on_progress,
@@ -442,26 +546,61 @@ class Fleet:
                           for w, m in zip(self._workers, committed)))
 
     def flush_cache(self, mode: PauseMode = PauseMode.WAIT) -> bool:
-        """Drain, clear the KV/prefix cache and resume, on every shim in parallel. A shim that is
-        BROKEN refuses to resume; every failure is raised together."""
+        """Drain, clear the KV/prefix cache and resume, on every shim in parallel.
+
+        Args:
+            mode: how in-flight requests are paused while the cache is cleared.
+
+        Returns:
+            True (NeMo RL's channel's return), once every shim resumed.
+
+        Raises:
+            FleetError: every shim that failed, together (a BROKEN shim refuses to resume).
+        """
         request = pb.FlushRequest(mode=PAUSE_MODE_TO_PROTO[mode])
         self._unary_all("Flush", lambda w: request, "flush failed")
         return True
 
     def describe(self, weights_digest: bool = True) -> list[pb.DescribeResponse]:
+        """Describe on every shim in parallel.
+
+        Args:
+            weights_digest: each shim also computes its engine's weights digest (reads every
+                weight).
+
+        Returns:
+            One answer per worker, in fleet order.
+
+        Raises:
+            FleetError: every shim that failed, together (`describe_each()` does not raise).
+        """
         request = pb.DescribeRequest(skip_weights_digest=not weights_digest)
         return self._unary_all("Describe", lambda w: request, "describe failed")
 
     def describe_each(self, weights_digest: bool = True) -> list[pb.DescribeResponse | WorkerFailure]:
-        """Describe on every shim in parallel, one entry per worker in order: its answer, or the
-        `WorkerFailure` that says why there is none. For status views, where one dead shim must not
-        hide the others; `describe()` raises instead."""
+        """Describe on every shim in parallel, for status views, where one dead shim must not hide
+        the others; `describe()` raises instead.
+
+        Args:
+            weights_digest: each shim also computes its engine's weights digest.
+
+        Returns:
+            One entry per worker, in fleet order: its answer, or the `WorkerFailure` that says
+            why there is none.
+        """
         request = pb.DescribeRequest(skip_weights_digest=not weights_digest)
         return self._unary_each("Describe", lambda w: request)
 
     def abort(self, reason: str = "aborted by driver") -> list[pb.AbortResponse | None]:
         """Abort on every shim in parallel; best effort, never raises, never retries, and bounded
-        by `abort_timeout_s`: a dead or frozen shim must not hold up the others' abort."""
+        by `abort_timeout_s`: a dead or frozen shim must not hold up the others' abort.
+
+        Args:
+            reason: recorded by every shim (its logs and Describe).
+
+        Returns:
+            One entry per worker, in fleet order: its answer, or None when it did not answer.
+        """
         request = pb.AbortRequest(reason=reason)
         futures = [self._pool.submit(w.stub.Abort, request, timeout=self.config.abort_timeout_s,
                                      metadata=w.metadata) for w in self._workers]
@@ -554,9 +693,18 @@ class Fleet:
 
     def check_canary(self, version: int, canary: Canary,
                      committed: Sequence[pb.UpdateWeightsResponse]) -> None:
-        """Raise CanaryMismatchError naming every engine whose canary log-probabilities are
-        farther than `canary.tolerance` from the trainer's (or missing), with every engine's
-        gap; `committed` is one COMMITTED per worker, in fleet order."""
+        """Compare every engine's canary log-probabilities with the trainer's.
+
+        Args:
+            version: the epoch's version, for the message.
+            canary: the canary the epoch carried (the trainer's log-probabilities, the
+                tolerance).
+            committed: one COMMITTED per worker, in fleet order.
+
+        Raises:
+            CanaryMismatchError: naming every engine whose canary log-probabilities are farther
+                than `canary.tolerance` from the trainer's (or missing), with every engine's gap.
+        """
         gaps = {w.endpoint.instance_id: canary.gap(m.canary)
                 for w, m in zip(self._workers, committed)}
         odd = []
