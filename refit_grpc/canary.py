@@ -32,7 +32,14 @@ BF16_TOLERANCE = 2e-2
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
-    """The tolerance for an engine serving `dtype` (module docstring: measured noise x 5+)."""
+    """The tolerance for an engine serving `dtype` (module docstring: measured noise x 5+).
+
+    Args:
+        dtype: the engine's weights dtype.
+
+    Returns:
+        `FP32_TOLERANCE` for float32 and float64, else `BF16_TOLERANCE`.
+    """
     return FP32_TOLERANCE if dtype in (torch.float32, torch.float64) else BF16_TOLERANCE
 
 
@@ -45,8 +52,9 @@ class Canary:
         logprobs: log P(token_ids[i] | token_ids[:i]) for i = 1 .. n-1, as the trainer computes
             them (`refit_grpc.integrations.hf.canary_from_model` does it for transformers).
         tolerance: the largest |engine - trainer| allowed at any position.
+
     Raises:
-        InvalidArgumentError (INVALID_CANARY): a malformed canary, before any shim is asked.
+        InvalidArgumentError: INVALID_CANARY, a malformed canary, before any shim is asked.
     """
 
     token_ids: tuple[int, ...]
@@ -65,28 +73,51 @@ class Canary:
             raise InvalidArgumentError(f"canary: {problem}", reason=Reason.INVALID_CANARY)
 
     def to_proto(self) -> pb.Canary:
+        """The canary as UpdateWeightsRequest carries it (the tolerance stays with the driver)."""
         return pb.Canary(token_ids=self.token_ids, expected_logprobs=self.logprobs)
 
     def gap(self, result: pb.CanaryResult) -> float:
-        """The largest |engine - trainer| over positions; inf when the engine computed none
-        (its error) or not one per position."""
+        """How far an engine's log-probabilities are from the trainer's.
+
+        Args:
+            result: the engine's canary result, from its COMMITTED.
+
+        Returns:
+            The largest |engine - trainer| over positions; inf when the engine computed none
+            (its error) or not one per position.
+        """
         if result.error or len(result.logprobs) != len(self.logprobs):
             return math.inf
         return max(abs(a - b) for a, b in zip(result.logprobs, self.logprobs))
 
 
 def teacher_forced_logprobs(logits: torch.Tensor, token_ids: Sequence[int]) -> list[float]:
-    """log P(token_ids[i] | token_ids[:i]) for i = 1 .. n-1 from the logits of one forward over
-    `token_ids` (`logits[i]` predicts token i+1; log_softmax in float64). The one definition the
-    trainer's side and the in-process engines use."""
+    """Teacher-forced log-probabilities: the one definition the trainer's side and the
+    in-process engines use.
+
+    Args:
+        logits: the logits of one forward over `token_ids`, `[n, vocab]` (`logits[i]` predicts
+            token i+1).
+        token_ids: the sequence.
+
+    Returns:
+        log P(token_ids[i] | token_ids[:i]) for i = 1 .. n-1 (log_softmax in float64).
+    """
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)
     lp = torch.log_softmax(logits[:-1].double(), dim=-1)
     return lp.gather(1, ids[1:, None])[:, 0].tolist()
 
 
 def canary_problem(token_ids: Sequence[int], expected: Sequence[float]) -> str | None:
-    """What is wrong with a canary's tokens and expectation, or None: one rule for the driver
-    and the shim (which refuses with INVALID_CANARY)."""
+    """One rule for the driver and the shim (which refuses with INVALID_CANARY).
+
+    Args:
+        token_ids: the canary's tokens.
+        expected: the trainer's log-probabilities (may be empty: the shim's check of tokens).
+
+    Returns:
+        What is wrong with the canary's tokens and expectation, or None.
+    """
     if not 2 <= len(token_ids) <= MAX_CANARY_TOKENS:
         return f"needs 2 to {MAX_CANARY_TOKENS} tokens, got {len(token_ids)}"
     if any(t < 0 for t in token_ids):

@@ -30,6 +30,7 @@ class FleetConfig:
         retry_attempts: attempts of an idempotent call that fails UNAVAILABLE (with backoff).
         abort_timeout_s: how long Abort waits for each shim (an epoch's teardown waits this).
         security: TLS, tokens and keepalive of every channel.
+
     Raises:
         InvalidArgumentError: a value out of range (reason INVALID_WORLD_SIZE, INVALID_BACKEND
             or INVALID_ARGUMENT).

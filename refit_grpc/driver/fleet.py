@@ -60,6 +60,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerReport:
+    """One engine's part of an epoch (`EpochReport.workers`).
+
+    Args:
+        instance_id: the engine's shim.
+        seconds: from the engine's ACCEPTED to its COMMITTED.
+        bytes: the bytes it applied.
+        weights_digest: its weights digest at commit ("" unless it knows it or was asked).
+        canary_gap: max |engine - trainer| of the epoch's canary, if any.
+        canary_seconds: how long the engine took to compute the canary, if any.
+    """
+
     instance_id: str
     seconds: float
     bytes: int
@@ -70,6 +81,16 @@ class WorkerReport:
 
 @dataclass(frozen=True)
 class EpochReport:
+    """What `Fleet.refit()` returns.
+
+    Args:
+        version: the epoch's version.
+        bytes: the plan's bytes, sent once to every engine.
+        seconds: from UpdateWeights sent to every COMMITTED.
+        broadcast_seconds: the sender's part.
+        workers: one report per engine, in fleet order.
+    """
+
     version: int
     bytes: int
     seconds: float           # from UpdateWeights sent to every COMMITTED

@@ -44,9 +44,11 @@ def checkpoint_state_dict(model: Any, state_dict: Mapping[str, torch.Tensor] | N
     Args:
         model: a transformers `PreTrainedModel`.
         state_dict: the tensors to rename; `model.state_dict()` when None.
+
     Returns:
         A new dict, name -> tensor, in a deterministic order (the same every call for the same
         model), detached. Models transformers does not convert come back unchanged.
+
     Raises:
         ImportError: transformers is not installed.
     """
@@ -66,6 +68,7 @@ def canary_from_model(model: Any, token_ids: Sequence[int],
         token_ids: the sequence (2 to 4096 ids of the model's vocabulary).
         tolerance: the largest |engine - trainer| allowed; default by the model's dtype
             (`refit_grpc.canary.default_tolerance`: 2e-3 float32, 2e-2 bfloat16/float16).
+
     Returns:
         The Canary, with the model's log-probabilities of `token_ids`.
     """
@@ -83,8 +86,15 @@ def canary_from_model(model: Any, token_ids: Sequence[int],
 
 
 def fused_expert_hint(names: Iterable[str]) -> str:
-    """What to tell a trainer whose plan has `names` the engine cannot load, when one of them is
-    a fused expert tensor as transformers >= 5 holds it in memory; "" otherwise."""
+    """What to tell a trainer whose plan has names the engine cannot load.
+
+    Args:
+        names: the tensor names the engine refused.
+
+    Returns:
+        A hint to send `checkpoint_state_dict(model)` when one of `names` is a fused expert
+        tensor as transformers >= 5 holds it in memory; "" otherwise.
+    """
     if any(name.endswith(FUSED_EXPERT_SUFFIXES) for name in names):
         return ("; these are transformers' in-memory names (experts fused): send the "
                 "checkpoint's names with refit_grpc.integrations.hf.checkpoint_state_dict(model)")

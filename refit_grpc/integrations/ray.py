@@ -122,7 +122,21 @@ def group_name(ip: str, port: int, world_size: int, *, train_world_size: int,
     `plan_digest` is the plan's (`RefitPlan.from_state_dict_info(info, packing).digest`, or
     `channel.plan.digest`): a trainer rank holding another plan lands under another name and
     never meets the shims, so no byte is ever split by the wrong plan. Unique per formation as
-    long as the port is (docs/ray.md, "The group's name")."""
+    long as the port is (docs/ray.md, "The group's name").
+
+    Args:
+        ip: the trainer's rank 0 address.
+        port: its store's port.
+        world_size: every rank of the group, trainer and engines.
+        train_world_size: the trainer's ranks.
+        plan_digest: the plan's digest.
+
+    Returns:
+        The group's name, "refit-" and 24 hex digits.
+
+    Raises:
+        ValueError: no ip or no plan digest.
+    """
     if not ip or not plan_digest:
         raise ValueError("group_name needs the master's ip and the plan digest")
     fields = ("refit_grpc/group/v1", ip, str(int(port)), str(int(world_size)),
@@ -146,7 +160,23 @@ def _rebuild(cls: type[RefitChannel], workers: tuple[WorkerEndpoint, ...],
 
 
 class RefitChannel:
-    """NeMo RL's `DynamoRefitChannel` surface on a refit_grpc `Fleet` (module docstring)."""
+    """NeMo RL's `DynamoRefitChannel` surface on a refit_grpc `Fleet` (module docstring).
+
+    Args:
+        workers: the shims, as worker metadata (`instance_id`, `address`) or `WorkerEndpoint`s.
+        engine_world_size: TP x PP ranks of one engine.
+        control_timeout_s: the deadline of every unary call, and of the wait for ACCEPTED.
+        validate_workers: NeMo RL's membership hook (`Fleet`'s).
+        join_timeout_s: the deadline of a group formation.
+        epoch_timeout_s: the deadline of one UpdateWeights epoch, broadcast included.
+        packing: the packing; by default the one the shims offer.
+        backend: "gloo" or "nccl".
+        pause_mode: how engines pause their requests during an epoch.
+        security: TLS and token (`ChannelSecurity`); plaintext by default.
+
+    Raises:
+        InvalidArgumentError: no worker, duplicate instance ids, or a bad setting.
+    """
 
     def __init__(self, workers: Sequence[Mapping[str, Any] | WorkerEndpoint], *,
                  engine_world_size: int,
@@ -188,8 +218,11 @@ class RefitChannel:
     # --- NeMo RL's channel's surface ------------------------------------------------------
 
     def client_copy(self) -> RefitChannel:
-        """Endpoints and settings only (no validator, no plan, no group): what rollout actors
-        get. Picklable; its own Fleet opens channels to the same shims."""
+        """What rollout actors get: endpoints and settings only (no validator, no plan, no group).
+
+        Returns:
+            A picklable channel whose own Fleet opens channels to the same shims.
+        """
         options = dict(self._options, packing=self._known_packing())
         return type(self)(self.workers, validate_workers=None, **options)
 
@@ -200,17 +233,33 @@ class RefitChannel:
 
     @property
     def inference_world_size(self) -> int:
+        """The engines' ranks in the group: workers x `engine_world_size`."""
         return self._fleet.inference_world_size
 
     @property
     def sender_spec(self) -> Packing:
-        """The packing every receiver splits buckets by: the configured one, or the one every
-        shim offers (one Describe round, bounded by `control_timeout_s`, then remembered). NeMo
-        RL's channel returns fixed constants here; refit_grpc agrees on them with the shims instead."""
+        """The packing every receiver splits buckets by. NeMo RL's channel returns fixed constants
+        here; refit_grpc agrees on them with the shims instead.
+
+        Returns:
+            The configured packing, or the one every shim offers (one Describe round, bounded by
+            `control_timeout_s`, then remembered).
+
+        Raises:
+            FleetError: the shims offer different packings, or a Describe failed.
+        """
         return self._fleet.negotiate_packing()
 
     def prepare(self, state_dict_info: Mapping[str, tuple[Sequence[int], Any]] | None) -> None:
-        """Store the plan (`{name: (shape, dtype)}` in packing order) on every shim."""
+        """Store the plan on every shim.
+
+        Args:
+            state_dict_info: `{name: (shape, dtype)}` in packing order.
+
+        Raises:
+            ValueError: no plan (None) or a malformed one.
+            FleetError: a shim refused or failed, or computed another plan digest.
+        """
         if state_dict_info is None:
             raise ValueError("state_dict_info is None")
         self._fleet.prepare(state_dict_info)
@@ -219,16 +268,31 @@ class RefitChannel:
     def init_collective(self, ip: str, port: int, world_size: int, *,
                         train_world_size: int,
                         group_id: str | None = None) -> list[ray.ObjectRef]:
-        """Ask every shim to join the data group; one ref per worker, resolving to True once the
-        worker JOINED (the typed error otherwise). Not waited on: the rendezvous completes only
+        """Ask every shim to join the data group. Not waited on: the rendezvous completes only
         when the trainer ranks join too (gloo: `collective.Group.join` under
         `group_name(ip, port, world_size, train_world_size=..., plan_digest=...)`, before,
-        during or after this call). `group_id` overrides the derived name (the trainer then
-        hands the same one to its ranks and keeps it unique per formation).
+        during or after this call).
 
-        Raises `FailedPreconditionError` (reason BUSY), before any call to a shim, while a join
-        of an earlier formation under the same name still runs: one of its members could
-        otherwise join this one. Wait for that formation's refs, or form at another port."""
+        Args:
+            ip: the trainer's rank 0 address.
+            port: where its store listens, or will.
+            world_size: `train_world_size + inference_world_size`.
+            train_world_size: the trainer's ranks.
+            group_id: overrides the derived name (the trainer then hands the same one to its
+                ranks and keeps it unique per formation).
+
+        Returns:
+            One ref per worker, resolving to True once the worker JOINED (raising the typed
+            error otherwise).
+
+        Raises:
+            RuntimeError: `prepare()` was not called.
+            FailedPreconditionError: reason BUSY, before any call to a shim, while a join of an
+                earlier formation under the same name still runs (one of its members could
+                otherwise join this one): wait for that formation's refs, or form at another
+                port.
+            InvalidArgumentError: a port out of range or a world size that does not add up.
+        """
         if self._fleet.plan is None:
             raise RuntimeError("prepare() must be called before init_collective()")
         name = group_id if group_id is not None else group_name(
@@ -258,14 +322,25 @@ class RefitChannel:
         return refs
 
     def update_weights(self, version: int | None = None) -> list[ray.ObjectRef]:
-        """Open the driver's two-phase epoch and return once every worker said ACCEPTED; one ref
-        per worker, resolving to True when that worker COMMITTED, or raising the epoch's typed
-        error (`EpochFailedError`, `FleetTimeoutError`) naming the failed workers.
+        """Open the driver's two-phase epoch and return once every worker said ACCEPTED.
 
-        Broadcast after this returns, then `ray.get` the refs. A refusal raises
-        `EpochRefusedError` here, after the fleet was aborted and before any byte moved; after
-        any failed epoch, form the group again (`init_collective`). `version` defaults to one
-        past the last epoch's (the first time: past the newest version any shim holds).
+        Broadcast after this returns, then `ray.get` the refs. After any failed epoch, form the
+        group again (`init_collective`).
+
+        Args:
+            version: the epoch's version; by default one past the last epoch's (the first
+                time: past the newest version any shim holds).
+
+        Returns:
+            One ref per worker, resolving to True when that worker COMMITTED, or raising the
+            epoch's typed error (`EpochFailedError`, `FleetTimeoutError`) naming the failed
+            workers.
+
+        Raises:
+            EpochRefusedError: a worker refused, after the fleet was aborted and before any
+                byte moved.
+            FleetTimeoutError: a worker said nothing within `control_timeout_s`.
+            FleetStateError: no group formed.
         """
         if version is None:
             version = self._next_version()
@@ -287,8 +362,14 @@ class RefitChannel:
         return refs
 
     def flush_cache(self) -> bool:
-        """Drain, clear caches and resume every worker, in parallel (mode WAIT); raises one
-        `FleetError` naming every worker that failed (a BROKEN one refuses to resume)."""
+        """Drain, clear caches and resume every worker, in parallel (mode WAIT).
+
+        Returns:
+            True, once every worker resumed.
+
+        Raises:
+            FleetError: naming every worker that failed (a BROKEN one refuses to resume).
+        """
         return self._fleet.flush_cache()
 
     # --- refit_grpc's additions --------------------------------------------------------------
@@ -300,6 +381,7 @@ class RefitChannel:
 
     @property
     def plan(self) -> RefitPlan | None:
+        """The plan of the last `prepare()`, or None before it."""
         return self._fleet.plan
 
     @property
@@ -310,20 +392,41 @@ class RefitChannel:
 
     def group_name(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> str:
         """The name `init_collective(ip, port, world_size, ...)` will form the group under, known
-        before it is called (module function `group_name` with this channel's plan digest)."""
+        before it is called.
+
+        Args:
+            ip: the trainer's rank 0 address.
+            port: its store's port.
+            world_size: every rank of the group.
+            train_world_size: the trainer's ranks.
+
+        Returns:
+            The module function `group_name` with this channel's plan digest.
+
+        Raises:
+            RuntimeError: `prepare()` was not called.
+        """
         if self._fleet.plan is None:
             raise RuntimeError("prepare() must be called before group_name()")
         return group_name(ip, port, world_size, train_world_size=train_world_size,
                           plan_digest=self._fleet.plan.digest)
 
     def send_deadline(self) -> Deadline:
-        """The open epoch's deadline for the trainer's sender, cancelled by the epoch's first
-        worker failure (so a `collective.Sender` stops in seconds when a worker dies)."""
+        """The open epoch's deadline for the trainer's sender.
+
+        Returns:
+            The deadline, cancelled by the epoch's first worker failure (so a
+            `collective.Sender` stops in seconds when a worker dies).
+
+        Raises:
+            RuntimeError: `update_weights()` has not been called.
+        """
         if self._epoch is None:
             raise RuntimeError("update_weights() has not been called")
         return self._epoch.send_deadline()
 
     def describe(self, weights_digest: bool = True) -> list[pb.DescribeResponse]:
+        """`Fleet.describe()`: one answer per worker, in order; raises FleetError."""
         return self._fleet.describe(weights_digest)
 
     def close(self) -> None:

@@ -26,12 +26,28 @@ from refit_grpc.reasons import Reason
 
 @dataclass(frozen=True)
 class EngineStatus:
+    """What an engine says of itself (Describe, health).
+
+    Args:
+        healthy: the engine answers and can serve.
+        paused: generation is stopped (`pause()`).
+        weights_digest: a digest of its weights, "" where the engine cannot compute an exact
+            one (or was not asked).
+    """
+
     healthy: bool
     paused: bool
     weights_digest: str = ""  # "" where the engine cannot compute an exact digest
 
 
 class Engine(ABC):
+    """An engine behind a shim: the local steps of a refit (module docstring).
+
+    Every blocking method takes a `Deadline` and returns or raises a `RefitError` by then.
+    `kind` names the engine (`--engine`); `offered_packing` is the packing it offers in
+    Describe.
+    """
+
     kind: str = "abstract"
     offered_packing: Packing = Packing()
 
@@ -49,7 +65,14 @@ class Engine(ABC):
 
     @abstractmethod
     def status(self, with_digest: bool = False) -> EngineStatus:
-        """Health and pause state; the weights digest only when asked (it may read every byte)."""
+        """Health and pause state.
+
+        Args:
+            with_digest: compute the weights digest too (it may read every byte).
+
+        Returns:
+            The engine's status.
+        """
 
     def is_paused(self) -> bool:
         """Whether the engine is paused, as cheaply as the engine can tell (the epoch asks it
@@ -58,7 +81,14 @@ class Engine(ABC):
 
     @abstractmethod
     def check_plan(self, plan: RefitPlan) -> None:
-        """Raise InvalidPlanError if the plan names tensors the engine cannot load."""
+        """Check a plan before it is stored.
+
+        Args:
+            plan: the plan Prepare carries.
+
+        Raises:
+            InvalidPlanError: the plan names tensors the engine cannot load.
+        """
 
     @abstractmethod
     def pause(self, mode: PauseMode, deadline: Deadline) -> None:
@@ -66,45 +96,114 @@ class Engine(ABC):
 
         KEEP parks in-flight requests (they continue after resume), WAIT lets them finish first,
         ABORT fails them. New requests wait while paused. Pausing a paused engine is a no-op
-        (a WAIT drain then has nothing left to wait for)."""
+        (a WAIT drain then has nothing left to wait for).
+
+        Args:
+            mode: what happens to in-flight requests.
+            deadline: when it must have returned or raised.
+
+        Raises:
+            RefitError: the engine could not pause (e.g. `RefitTimeoutError`,
+                `EngineUnavailableError`).
+        """
 
     @abstractmethod
     def resume(self, deadline: Deadline) -> None:
         """Serve again (parked requests continue). Resuming a running engine is a no-op. The
-        shim never resumes an engine whose weights may be partial (BROKEN)."""
+        shim never resumes an engine whose weights may be partial (BROKEN).
+
+        Args:
+            deadline: when it must have returned or raised.
+
+        Raises:
+            RefitError: the engine could not resume.
+        """
 
     @abstractmethod
     def reset_cache(self, deadline: Deadline) -> bool:
-        """Clear the KV/prefix caches, which hold values computed with the old weights; True
-        once cleared. Called while paused, so no request can refill them meanwhile."""
+        """Clear the KV/prefix caches, which hold values computed with the old weights. Called
+        while paused, so no request can refill them meanwhile.
+
+        Args:
+            deadline: when it must have returned or raised.
+
+        Returns:
+            True once cleared.
+
+        Raises:
+            RefitError: the engine could not clear them.
+        """
 
     def check_backend(self, backend: str) -> None:
         """Refuse a backend this engine cannot join, before InitCollective says ACCEPTED.
 
         The default is for engines that join in the shim's own process; an engine whose
-        workers join elsewhere (vLLM) lets those workers decide."""
+        workers join elsewhere (vLLM) lets those workers decide.
+
+        Args:
+            backend: "gloo" or "nccl".
+
+        Raises:
+            InvalidArgumentError: BACKEND_UNAVAILABLE, nccl without CUDA in this process.
+        """
         if backend == "nccl" and not torch.cuda.is_available():
             raise InvalidArgumentError("backend nccl needs CUDA, which this engine's process "
                                        "lacks", reason=Reason.BACKEND_UNAVAILABLE)
 
     @abstractmethod
     def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:
-        """Join the data group as `spec.rank` (this engine's first rank); blocks until formed."""
+        """Join the data group; blocks until it is formed.
+
+        Args:
+            spec: the group, with `spec.rank` this engine's first rank.
+            plan: the stored plan (its digest is part of the group).
+            deadline: when it must have joined or raised.
+
+        Raises:
+            RefitError: the join failed (e.g. `CollectiveError`, `RefitTimeoutError`).
+        """
 
     @abstractmethod
     def receive(self, plan: RefitPlan, deadline: Deadline,
                 on_bucket: Callable[[Bucket], None]) -> None:
-        """Start the update, receive and apply every bucket. `on_bucket` runs after each one
-        is applied; once it has run, the engine's weights are no longer the old version."""
+        """Start the update, receive and apply every bucket.
+
+        Args:
+            plan: the stored plan, which says how the bytes split into tensors.
+            deadline: when every bucket must be applied, or the call must raise.
+            on_bucket: runs after each bucket is applied; once it has run, the engine's
+                weights are no longer the old version.
+
+        Raises:
+            RefitError: the receive failed (e.g. `CollectiveError`, `RefitTimeoutError`).
+        """
 
     @abstractmethod
     def finish(self, version: int, deadline: Deadline) -> str:
-        """Commit `version`; returns the new weights digest where the engine knows it without
-        extra work, else "" (Describe still reports it)."""
+        """Commit `version`.
+
+        Args:
+            version: the epoch's version.
+            deadline: when it must have returned or raised.
+
+        Returns:
+            The new weights digest where the engine knows it without extra work, else ""
+            (Describe still reports it).
+
+        Raises:
+            RefitError: the engine could not commit.
+        """
 
     def weights_digest(self, deadline: Deadline) -> str:
-        """A digest of the weights as the engine holds them (reads every byte); "" where the
-        engine cannot compute one. Engines holding the same weights give the same digest."""
+        """A digest of the weights as the engine holds them (reads every byte).
+
+        Args:
+            deadline: when it must have returned or raised.
+
+        Returns:
+            The digest, "" where the engine cannot compute one. Engines holding the same
+            weights give the same digest.
+        """
         return self.status(with_digest=True).weights_digest
 
     @property
@@ -114,9 +213,21 @@ class Engine(ABC):
         return False
 
     def canary_logprobs(self, token_ids: Sequence[int], deadline: Deadline) -> list[float]:
-        """log P(token_ids[i] | token_ids[:i]) for i = 1 .. n-1 with the weights just
-        committed, computed before the engine serves again (the shim calls it right after
-        `finish`, while the engine is still paused). Raises a RefitError where it cannot."""
+        """The canary's log-probabilities with the weights just committed, computed before the
+        engine serves again (the shim calls it right after `finish`, while the engine is still
+        paused).
+
+        Args:
+            token_ids: the canary's tokens.
+            deadline: when it must have returned or raised.
+
+        Returns:
+            log P(token_ids[i] | token_ids[:i]) for i = 1 .. n-1.
+
+        Raises:
+            RefitError: where it cannot (by default `FailedPreconditionError`,
+                CANARY_UNSUPPORTED).
+        """
         raise FailedPreconditionError(f"the {self.kind} engine cannot compute a canary",
                                       reason=Reason.CANARY_UNSUPPORTED)
 
@@ -125,4 +236,5 @@ class Engine(ABC):
         """Tear the data group down; any blocked receive fails promptly. Never blocks."""
 
     def close(self) -> None:
+        """Release the engine (by default: tear the data group down)."""
         self.abort_transfer()
