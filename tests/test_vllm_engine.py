@@ -40,7 +40,6 @@ from refit_grpc.testing.harness import VLLM  # noqa: E402
 from refit_grpc.testing.vllm import (  # noqa: E402
     PROMPT,
     complete,
-    free_port,
     hf_greedy,
     http_json,
     load_hf_model,
@@ -138,7 +137,7 @@ def test_fleet_refits_versions_and_vllm_generates_like_transformers(server, flee
         expected_tokens(trainer, trainer["weights"])  # the same checkpoint on both sides
     plan = fleet.prepare(info(trainer["model"].state_dict()))
     assert len(plan.buckets) > 1
-    link = fleet.connect("127.0.0.1", free_port())
+    link = fleet.connect("127.0.0.1")
     seen = []
     try:
         for _ in range(3):
@@ -166,7 +165,7 @@ def test_stale_version_is_refused_before_any_byte_and_old_weights_keep_serving(
         server, fleet, trainer):
     assert trainer["version"] >= 1, "runs after the refit test"
     fleet.prepare(info(trainer["model"].state_dict()))
-    link = fleet.connect("127.0.0.1", free_port())
+    link = fleet.connect("127.0.0.1")
     with pytest.raises(EpochRefusedError) as refused:
         fleet.refit(link, new_weights(trainer["weights"], seed=999), version=trainer["version"])
     assert refused.value.reasons == {"STALE_VERSION"}
@@ -185,7 +184,7 @@ def test_a_peer_refusing_the_epoch_leaves_the_vllm_engine_serving_its_weights(
     try:
         ahead = Fleet([WorkerEndpoint(other.instance_id, other.address)], epoch_timeout_s=30)
         ahead.prepare(shapes)
-        link = ahead.connect("127.0.0.1", free_port())
+        link = ahead.connect("127.0.0.1")
         ahead.refit(link, trainer["weights"], version=trainer["version"] + 50, flush=False)
         link.close()
         ahead.close()
@@ -194,7 +193,7 @@ def test_a_peer_refusing_the_epoch_leaves_the_vllm_engine_serving_its_weights(
                      control_timeout_s=30, join_timeout_s=60, epoch_timeout_s=EPOCH_S)
         try:
             both.prepare(shapes)
-            link = both.connect("127.0.0.1", free_port())
+            link = both.connect("127.0.0.1")
             with pytest.raises(EpochRefusedError) as refused:
                 both.refit(link, new_weights(trainer["weights"], seed=4242),
                            version=trainer["version"] + 1)
@@ -356,7 +355,7 @@ def test_engine_killed_mid_receive_fails_typed_then_a_restart_is_refit_through_t
     restarted = pool.start(tiny_model_dir(), port=server.port)
     wait_health(shim.address, health_pb2.HealthCheckResponse.SERVING, 10)
     fleet.prepare(info(trainer["model"].state_dict()))  # the same plan: allowed in BROKEN, a no-op
-    link = fleet.connect("127.0.0.1", free_port())
+    link = fleet.connect("127.0.0.1")
     try:
         version = trainer["version"] + 2
         fleet.refit(link, weights, version=version)

@@ -30,10 +30,14 @@ from vllm.distributed.weight_transfer.nccl_engine import (  # noqa: E402
 
 from refit_grpc.common import Deadline  # noqa: E402
 from refit_grpc.driver import Fleet, WorkerEndpoint  # noqa: E402
-from refit_grpc.driver.nccl import UNIQUE_ID_KEY, NcclSender, open_rendezvous  # noqa: E402
+from refit_grpc.driver.nccl import (  # noqa: E402
+    UNIQUE_ID_KEY,
+    NcclSender,
+    listen,
+    open_rendezvous,
+)
 from refit_grpc.errors import InvalidArgumentError  # noqa: E402
 from refit_grpc.plan import Packing, RefitPlan  # noqa: E402
-from refit_grpc.testing.ports import free_port  # noqa: E402
 from refit_grpc.wire.vllm import nccl_init_info, update_info_for, worker_ranks  # noqa: E402
 
 
@@ -119,7 +123,8 @@ def test_engine_ranks_are_vllms_and_fill_the_group(monkeypatch, tp_pp, dp, engin
 def test_rendezvous_is_vllms_stateless_process_group():
     from vllm.distributed.utils import StatelessProcessGroup
 
-    port, world = free_port(), 3
+    listener = listen("127.0.0.1")  # bound before any worker is told the port
+    port, world = listener.getsockname()[1], 3
     got: dict[int, object] = {}
 
     def worker(rank: int) -> None:  # what each vLLM worker's PyNcclCommunicator does first
@@ -129,7 +134,7 @@ def test_rendezvous_is_vllms_stateless_process_group():
     threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in (1, 2)]
     for t in threads:
         t.start()
-    trainer = open_rendezvous("127.0.0.1", port, world, timeout_s=20)
+    trainer = open_rendezvous("127.0.0.1", port, world, timeout_s=20, listen_socket=listener)
     trainer.broadcast_obj(b"unique-id-bytes", src=0)  # PyNcclCommunicator's ncclUniqueId
     for t in threads:
         t.join(20)
@@ -181,7 +186,7 @@ def test_connect_refuses_nccl_without_cuda_before_any_rpc():
     fleet = Fleet([WorkerEndpoint("w", "127.0.0.1:1")], backend="nccl")
     try:
         with pytest.raises(InvalidArgumentError) as e:
-            fleet.connect("127.0.0.1", free_port())
+            fleet.connect("127.0.0.1")
         assert e.value.reason == "BACKEND_UNAVAILABLE"
     finally:
         fleet.close()
@@ -217,10 +222,12 @@ def test_nccl_sender_feeds_vllms_own_receiver_on_two_gpus(tmp_path):
     plan = RefitPlan.from_tensors(tensors.items(), Packing(20_000, 2))
     out = str(tmp_path / "received.pt")
     torch.save({"info": plan.state_dict_info(), "packing": (20_000, 2)}, out + ".plan")
-    port = free_port()
+    listener = listen("127.0.0.1")  # bound before the worker is told the port
+    port = listener.getsockname()[1]
     worker = subprocess.Popen([sys.executable, "-c", WORKER, str(port), out])
     try:
-        sender = NcclSender.connect("127.0.0.1", port, 2, plan, timeout_s=120, device=0)
+        sender = NcclSender.connect("127.0.0.1", port, 2, plan, timeout_s=120, device=0,
+                                    listen_socket=listener)
         stats = sender.send({n: t.cuda(0) for n, t in tensors.items()}, Deadline(60))
         assert stats.buckets == len(plan.buckets)
         assert worker.wait(120) == 0

@@ -22,7 +22,6 @@ pytestmark = pytest.mark.timeout(600)
 
 from refit_grpc import Fleet, WeightsMismatchError, WorkerEndpoint  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
-from refit_grpc.testing.ports import free_port  # noqa: E402
 from refit_grpc.testing.vllm import build_tiny_llama, http_json, load_hf_model  # noqa: E402
 
 BUFFER = 256 * 1024
@@ -61,7 +60,7 @@ def test_engines_that_disagree_are_named_and_a_full_refit_makes_them_agree(engin
         weights = load_hf_model(tiny_model_dir()).state_dict()
         partial = {n: t for n, t in weights.items() if n != "lm_head.weight"}
         fleet.prepare(info(partial))
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         with pytest.raises(WeightsMismatchError) as e:
             fleet.refit(link, partial, version=1, verify_weights=True)
         assert sorted(e.value.workers) == ["vllm-0", "vllm-1"], str(e.value)
@@ -75,7 +74,7 @@ def test_engines_that_disagree_are_named_and_a_full_refit_makes_them_agree(engin
 
         # Every tensor: the engines now hold the same weights, and say so.
         fleet.prepare(info(weights))
-        link = fleet.connect("127.0.0.1", free_port())
+        link = fleet.connect("127.0.0.1")
         report = fleet.refit(link, weights, version=2, verify_weights=True)
         digests = {w.weights_digest for w in report.workers}
         assert len(digests) == 1 and "" not in digests, report.workers
