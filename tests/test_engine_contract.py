@@ -299,13 +299,10 @@ def test_reset_cache_while_paused(subject):
     engine.resume(Deadline(STEP_S))
 
 
-def test_a_full_transfer_leaves_the_trainers_weights(subject):
-    engine, plan = subject.engine, subject.plan()
-    assert len(plan.buckets) > 1
-    engine.check_plan(plan)
-    version = next(_versions)
-    weights = perturbed(subject.base, seed=1)
-    t0 = time.monotonic()
+def transfer(engine: Engine, plan: RefitPlan, weights: dict[str, torch.Tensor],
+             version: int) -> None:
+    """Join, pause, receive every bucket (once each, in order) of `weights`, and commit
+    `version`; the engine is left paused, as the shim leaves it until Flush."""
     joined = form_group(engine, plan)
     try:
         engine.pause(PauseMode.KEEP, Deadline(STEP_S))
@@ -317,6 +314,16 @@ def test_a_full_transfer_leaves_the_trainers_weights(subject):
         engine.finish(version, Deadline(STEP_S))
     finally:
         joined.trainer.close()
+
+
+def test_a_full_transfer_leaves_the_trainers_weights(subject):
+    engine, plan = subject.engine, subject.plan()
+    assert len(plan.buckets) > 1
+    engine.check_plan(plan)
+    version = next(_versions)
+    weights = perturbed(subject.base, seed=1)
+    t0 = time.monotonic()
+    transfer(engine, plan, weights, version)
     assert engine.status().paused  # the shim resumes, not the engine
     assert engine.reset_cache(Deadline(STEP_S))
     subject.holds(plan, weights, version)
@@ -338,16 +345,7 @@ def test_the_canary_is_computed_with_the_new_weights_before_the_engine_serves(su
     assert engine.supports_canary
     version = next(_versions)
     weights = perturbed(subject.base, seed=2)
-    joined = form_group(engine, plan)
-    try:
-        engine.pause(PauseMode.KEEP, Deadline(STEP_S))
-        receive = Receive(engine, plan, Deadline(EPOCH_S))
-        Sender(joined.trainer, plan).send(weights, Deadline(EPOCH_S))
-        receive.join(EPOCH_S)
-        assert receive.error is None, receive.error
-        engine.finish(version, Deadline(STEP_S))
-    finally:
-        joined.trainer.close()
+    transfer(engine, plan, weights, version)
     t0 = time.monotonic()
     got = engine.canary_logprobs(CANARY, Deadline(STEP_S))
     seconds = time.monotonic() - t0
