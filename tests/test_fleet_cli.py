@@ -112,6 +112,7 @@ def test_watch_repeats_until_interrupted(shim_procs, closed_port):
         assert [w["ok"] for w in rounds[-1]["workers"]] == [False, True]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 1  # the last round's status
+        assert "Traceback" not in proc.stderr.read()  # a clean stop, not a KeyboardInterrupt
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 from support import describe
 
@@ -44,7 +45,8 @@ while len(calls) < 20:
 # exec (a preexec_fn); gRPC's are registered the same way.
 python_forks = []
 os.register_at_fork(before=lambda: python_forks.append(1))
-shims = [spawn_shim("--model", "none", "--instance-id", f"s{i}") for i in range(3)]
+shims = [spawn_shim("--model", "none", "--instance-id", f"s{i}", "--grace-s", "1")
+         for i in range(3)]
 stop.set()
 print(json.dumps({"pids": [s.pid for s in shims], "addresses": [s.address for s in shims],
                   "python_forks": len(python_forks)}), flush=True)
@@ -59,6 +61,23 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def _survivors(pids: list[int], log) -> str:
+    """What a failure needs to be understood: each survivor's signal masks and parent, then
+    every thread's stack (the shim dumps them on SIGUSR1) and the log."""
+    found = []
+    for pid in pids:
+        if _gone(pid):
+            continue
+        with open(f"/proc/{pid}/status") as f:
+            fields = [line.strip() for line in f
+                      if line.split(":")[0] in ("State", "PPid", "SigPnd", "ShdPnd", "SigBlk",
+                                                "SigCgt")]
+        found.append(f"pid {pid}: {fields}")
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(1)
+    return "\n".join(found) + "\n" + log.read_text()[-6000:]
 
 
 def test_shims_spawned_beside_busy_grpc_start_and_die_with_their_parent(tmp_path):
@@ -83,12 +102,16 @@ def test_shims_spawned_beside_busy_grpc_start_and_die_with_their_parent(tmp_path
             assert describe(address, timeout_s=10).instance_id
         parent.kill()
         parent.wait(10)
-        # Each shim gets SIGTERM from the kernel as its parent dies, and stops gracefully.
-        end = time.monotonic() + 30
+        # Each shim gets SIGTERM from the kernel as its parent dies, and stops gracefully; a
+        # stop that hangs ends at the shim's exit watchdog (grace 1 s + 30 s), stacks dumped.
+        end = time.monotonic() + 45
         while not all(_gone(p) for p in pids) and time.monotonic() < end:
             time.sleep(0.1)
         assert all(_gone(p) for p in pids), \
-            f"a shim outlived the process that spawned it: {log.read_text()[-3000:]}"
+            f"a shim outlived the process that spawned it: {_survivors(pids, log)}"
+        if "Timeout (" in log.read_text():  # faulthandler's header: the watchdog ended a hang
+            warnings.warn(f"a shim's stop hung until its exit watchdog: {log.read_text()[-6000:]}",
+                          stacklevel=1)
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -244,21 +244,41 @@ def run_fleet_command(args, out=None, err=None) -> int:
             return _emit(abort_rows(fleet, args.reason), render_actions, args.json, out)
         if args.watch is None:
             return _emit(status_rows(fleet), render_status, args.json, out)
-        code = 0
-        try:
-            while True:
-                if not args.json:
-                    if out.isatty():
-                        out.write("\033[H\033[2J")
-                    print(time.strftime("# %Y-%m-%d %H:%M:%S"), file=out)
-                code = _emit(status_rows(fleet), render_status, args.json, out)
-                if not args.json:
-                    print(file=out, flush=True)
-                time.sleep(args.watch)
-        except KeyboardInterrupt:
-            return code
+        return _watch(fleet, args, out)
     finally:
         fleet.close()
+
+
+def _watch(fleet, args, out) -> int:
+    """`status --watch`: a round every `args.watch` seconds until SIGINT or SIGTERM; exits with
+    the last round's status.
+
+    The signals set an event rather than raise KeyboardInterrupt: an exception raised wherever
+    the main thread happens to be (inside the fleet's pool or a lock) can leave the fleet
+    half-stopped so that closing it hangs. A round in flight finishes (its calls have deadlines)."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # only it may set handlers
+        previous = {s: signal.signal(s, lambda *_: stop.set())
+                    for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        while not stop.is_set():
+            if not args.json:
+                if out.isatty():
+                    out.write("\033[H\033[2J")
+                print(time.strftime("# %Y-%m-%d %H:%M:%S"), file=out)
+            code = _emit(status_rows(fleet), render_status, args.json, out)
+            if not args.json:
+                print(file=out, flush=True)
+            stop.wait(args.watch)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return code
 
 
 def _emit(rows, render, as_json: bool, out) -> int:

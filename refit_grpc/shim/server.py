@@ -3,6 +3,7 @@ optional Prometheus metrics and graceful SIGTERM."""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import threading
@@ -22,6 +23,10 @@ from refit_grpc.shim.service import RefitServicer, ShimConfig
 from refit_grpc.shim.status import status_on_error
 
 log = logging.getLogger(__name__)
+
+# After a stop signal, beyond the grace: the server's own stop (2 s, waited up to 7 s), the
+# metrics endpoint's and the engine's close (an engine's teardown is bounded by its own timeouts).
+_EXIT_BUDGET_S = 30.0
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RefitService"].full_name
 
@@ -164,6 +169,9 @@ class ShimServer:
         signal.signal(signal.SIGINT, on_signal)
         while not got.wait(0.5):
             pass
+        # Nothing blocks forever, the exit included: past the grace and the server's own stop
+        # budget, every thread's stack goes to stderr and the process ends with status 1.
+        faulthandler.dump_traceback_later(self.options.grace_s + _EXIT_BUDGET_S, exit=True)
         t0 = time.monotonic()
         self.stop()
         log.info("stopped in %.2fs", time.monotonic() - t0)
