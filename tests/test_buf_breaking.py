@@ -39,8 +39,9 @@ def test_a_renumbered_field_is_caught(tmp_path):
     shutil.copytree(ROOT / "protos" / "refit_grpc", tmp_path / "protos" / "refit_grpc")
     proto = tmp_path / "protos" / "refit_grpc" / "v1" / "refit.proto"
     text = proto.read_text()
-    assert text.count("  int64 version = 1;") == 1
-    proto.write_text(text.replace("  int64 version = 1;", "  int64 version = 99;"))
+    field = "  // Must be greater than the applied version.\n  int64 version = 1;"  # UpdateWeights'
+    assert text.count(field) == 1
+    proto.write_text(text.replace(field, field.replace("= 1;", "= 99;")))
     out = breaking(tmp_path)
     assert out.returncode != 0
     assert 'Previously present field "1" with name "version"' in out.stdout + out.stderr, out

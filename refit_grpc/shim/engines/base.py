@@ -231,6 +231,59 @@ class Engine(ABC):
         raise FailedPreconditionError(f"the {self.kind} engine cannot compute a canary",
                                       reason=Reason.CANARY_UNSUPPORTED)
 
+    # --- staged epochs (docs/protocol.md, "Staged epochs") -----------------------------------
+
+    @property
+    def supports_staging(self) -> bool:
+        """Whether `stage`/`flip` work; the shim refuses a staged epoch before ACCEPTED
+        (STAGING_UNSUPPORTED) when they do not."""
+        return False
+
+    def stage(self, plan: RefitPlan, deadline: Deadline,
+              on_bucket: Callable[[Bucket], None]) -> str:
+        """Receive every bucket of the epoch into the staging copy (`refit_grpc.staging`)
+        while the engine keeps serving: it is never paused for this, and its live weights are
+        not touched.
+
+        Args:
+            plan: the stored plan.
+            deadline: when every bucket must have landed, or the call must raise.
+            on_bucket: runs after each bucket landed.
+
+        Returns:
+            The staged digest of what landed (`refit_grpc.staging.StagedDigest`).
+
+        Raises:
+            RefitError: the receive failed; the staging copy is left invalid, the live weights
+                are the old version, whole.
+        """
+        raise FailedPreconditionError(f"the {self.kind} engine cannot stage an epoch",
+                                      reason=Reason.STAGING_UNSUPPORTED)
+
+    def flip(self, version: int, deadline: Deadline) -> str:
+        """Load the staged copy into the live weights and commit `version`: everything a
+        receive and `finish` do in place (the tied head, post-load processing). Called while
+        paused, only after `stage` returned the digest the trainer sent.
+
+        Args:
+            version: the staged epoch's version.
+            deadline: when it must have returned or raised.
+
+        Returns:
+            As `finish`: the new weights digest where known without extra work, else "".
+
+        Raises:
+            RefitError: the load failed; the live weights may be partial (the shim goes
+                BROKEN, this engine alone).
+        """
+        raise FailedPreconditionError(f"the {self.kind} engine cannot flip",
+                                      reason=Reason.STAGING_UNSUPPORTED)
+
+    def drop_staged(self) -> None:
+        """Forget the staged copy (its memory may be kept for the next epoch). Never blocks;
+        a no-op when nothing is staged (by default: an engine that cannot stage)."""
+        return None
+
     @abstractmethod
     def abort_transfer(self) -> None:
         """Tear the data group down; any blocked receive fails promptly. Never blocks."""
