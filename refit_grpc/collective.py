@@ -36,6 +36,7 @@ from refit_grpc.errors import (
 )
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
 from refit_grpc.reasons import Reason
+from refit_grpc.staging import StagedDigest
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +381,20 @@ class Sender:
         return sum(b.numel() for b in self._slots or ())
 
     def send(self, tensors: Mapping[str, torch.Tensor], deadline: Deadline,
-             on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
+             on_bucket: Callable[[Bucket], None] | None = None, *,
+             checksums: StagedDigest | None = None) -> TransferStats:
+        """Pack and broadcast every bucket of the plan; bounded by `deadline`.
+
+        Args:
+            tensors: the weights, as the plan names them.
+            deadline: when every broadcast must be done.
+            on_bucket: runs after each bucket's broadcast was posted.
+            checksums: a staged epoch's digest, given each bucket's bytes as they go out (its
+                CRC runs while gloo sends them: both only read the buffer).
+
+        Returns:
+            Buckets, bytes and seconds.
+        """
         self.check_tensors(tensors)
         plan, device = self.plan, self.group.device
         slots = min(plan.packing.num_buffers, len(plan.buckets))
@@ -394,6 +408,8 @@ class Sender:
             span = _span([tensors[s.name] for s in specs], bucket.nbytes, device)
             if span is not None:
                 in_place.append(self.group.broadcast_async(span, deadline))
+                if checksums is not None:
+                    checksums.add(bucket, span)
             else:
                 if self._slots is None:
                     # Allocated at the first bucket that needs packing (a trainer whose weights
@@ -415,6 +431,8 @@ class Sender:
                     pending.wait(deadline, f"broadcast before bucket {bucket.index}")
                 buf = pack_into(self._slots[k], [tensors[s.name].to(device) for s in specs])
                 in_flight[k] = self.group.broadcast_async(buf, deadline)
+                if checksums is not None:
+                    checksums.add(bucket, buf)
             if on_bucket:
                 on_bucket(bucket)
         for op in [*in_flight, *in_place]:
@@ -445,7 +463,8 @@ def _span(tensors: Sequence[torch.Tensor], nbytes: int, device: torch.device) ->
 def receive(group: Group, plan: RefitPlan, deadline: Deadline,
             apply: Callable[[Bucket, Iterator[tuple[TensorSpec, torch.Tensor]]], None],
             on_bucket: Callable[[Bucket], None] | None = None,
-            land: Callable[[Bucket], torch.Tensor | None] | None = None) -> TransferStats:
+            land: Callable[[Bucket], torch.Tensor | None] | None = None, *,
+            land_from_first: bool = False) -> TransferStats:
     """Engine rank: receive every bucket of the plan and hand each to `apply`.
 
     The receives of the first `num_buffers` buckets are posted up front and the next one as soon
@@ -457,22 +476,28 @@ def receive(group: Group, plan: RefitPlan, deadline: Deadline,
     plan order, contiguous): the bucket is then received there, with no buffer and no `apply`.
     It is asked only once the first bucket has been applied and reported (`on_bucket`), so bytes
     can reach the weights directly only when the caller already counts the weights as changed: a
-    failure before that point still leaves the old weights provably intact.
+    failure before that point still leaves the old weights provably intact. With
+    `land_from_first` (a staging copy, which nothing serves from) it is asked for every bucket.
     """
-    slots = group.receive_buffers(plan)
     buckets = plan.buckets
+    window = min(plan.packing.num_buffers, len(buckets))  # receives posted ahead
+    # A staging copy takes every bucket in place: no bucket buffers are needed at all.
+    slots = [] if land is not None and land_from_first else group.receive_buffers(plan)
     # bucket index -> (the pending receive, where it lands, whether that is the engine's storage)
     pending: dict[int, tuple[_PendingOp, torch.Tensor, bool]] = {}
     reported = False
 
     def post(i: int) -> None:
         b = buckets[i]
-        direct = land(b) if land is not None and reported else None
-        buf = direct if direct is not None else slots[i % len(slots)][:b.nbytes]
+        nonlocal slots
+        direct = land(b) if land is not None and (reported or land_from_first) else None
+        if direct is None and not slots:
+            slots = group.receive_buffers(plan)
+        buf = direct if direct is not None else slots[i % window][:b.nbytes]
         pending[i] = (group.broadcast_async(buf, deadline), buf, direct is not None)
 
     t0 = time.monotonic()
-    for i in range(min(len(slots), len(buckets))):
+    for i in range(window):
         post(i)
     for b in buckets:
         op, buf, landed = pending.pop(b.index)
@@ -483,8 +508,8 @@ def receive(group: Group, plan: RefitPlan, deadline: Deadline,
         if on_bucket:
             on_bucket(b)
         reported = True
-        if b.index + len(slots) < len(buckets):
-            post(b.index + len(slots))
+        if b.index + window < len(buckets):
+            post(b.index + window)
     return TransferStats(len(buckets), plan.total_bytes, time.monotonic() - t0)
 
 

@@ -7,8 +7,9 @@ that copy into its live weights only at the flip. This module is the one definit
 - `StagingCopy`: that copy. Plan layout is the wire's: the plan's tensors back to back in plan
   order, so every bucket lands in place (one slice, no unpack, no second buffer). It is allocated
   once per plan and kept: staging costs one copy of the weights, nothing per epoch. It is marked
-  valid for one (version, staged digest) only once every bucket landed; an epoch that fails or
-  is aborted leaves it invalid, never the live weights.
+  complete (with its staged digest) only once every bucket landed, and live (with a version)
+  once a flip loaded it; an epoch that fails or is aborted leaves it invalid, never the live
+  weights.
 - `StagedDigest`: per-bucket CRC-32 (zlib, about 1.8 GiB/s on one core of the 2-core test
   machine, the GIL released) folded with SHA-256 into one hex digest. The trainer computes it
   over the bytes it sends, every receiver over the bytes it staged; a flip goes ahead only where
@@ -103,7 +104,8 @@ class StagingCopy:
         self._flat: torch.Tensor | None = None
         self._plan: RefitPlan | None = None
         self._offsets: list[int] = []  # tensor index -> byte offset
-        self._valid: tuple[int, str] | None = None  # (version, staged digest) once complete
+        self._digest: str | None = None  # staged digest, once every bucket landed
+        self._live_version = 0  # the version a flip loaded from it (it equals the live weights)
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +116,7 @@ class StagingCopy:
         """Make room for `plan` (kept when the plan is the same) and mark the copy invalid: an
         epoch is about to overwrite it."""
         with self._lock:
-            self._valid = None
+            self._digest, self._live_version = None, 0
             if self._plan is not None and self._plan.digest == plan.digest:
                 return
             self._flat = None  # the old copy's memory goes before the new one is taken
@@ -132,32 +134,54 @@ class StagingCopy:
         start = self._offsets[bucket.start]
         return self._flat[start:start + bucket.nbytes]
 
+    @property
+    def plan(self) -> RefitPlan | None:
+        """The plan the copy is laid out for; None before `allocate`."""
+        return self._plan
+
+    def flat_bytes(self) -> torch.Tensor:
+        """The whole copy, every bucket back to back (the plan's bytes in wire order)."""
+        assert self._flat is not None, "allocate() first"
+        return self._flat
+
     def tensors(self) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
         """(spec, its bytes as a uint8 slice of the copy), in plan order."""
         assert self._flat is not None and self._plan is not None, "allocate() first"
         for spec, start in zip(self._plan.tensors, self._offsets):
             yield spec, self._flat[start:start + spec.nbytes]
 
-    def commit(self, version: int, digest: str) -> None:
-        """Every bucket of `version` landed, with staged digest `digest`."""
+    def complete(self, digest: str) -> None:
+        """Every bucket landed; `digest` is their staged digest."""
         with self._lock:
-            self._valid = (version, digest)
+            self._digest = digest
+
+    @property
+    def digest(self) -> str | None:
+        """The staged digest of a complete copy; None while none is."""
+        with self._lock:
+            return self._digest
+
+    def mark_live(self, version: int) -> None:
+        """A flip loaded the copy: it now equals the live weights, at `version`."""
+        with self._lock:
+            self._live_version = version
+
+    @property
+    def live_version(self) -> int:
+        """The version the copy equals the live weights at; 0 when it does not."""
+        with self._lock:
+            return self._live_version
 
     def invalidate(self) -> None:
         """Forget what the copy holds (the memory is kept for the next epoch)."""
         with self._lock:
-            self._valid = None
-
-    @property
-    def holds(self) -> tuple[int, str] | None:
-        """(version, staged digest) of a complete copy, None while none is."""
-        with self._lock:
-            return self._valid
+            self._digest, self._live_version = None, 0
 
     def release(self) -> None:
         """Give the memory back (the engine closes)."""
         with self._lock:
-            self._flat, self._plan, self._offsets, self._valid = None, None, [], None
+            self._flat, self._plan, self._offsets = None, None, []
+            self._digest, self._live_version = None, 0
 
 
 __all__ = ["StagedDigest", "StagingCopy", "bucket_checksum", "staged_digest"]

@@ -1,9 +1,11 @@
 """RefitService: the shim's state machine around one engine.
 
 The state is derived, never stored, so it cannot drift from the facts it summarises:
-    RECEIVING  an epoch is in flight
-    BROKEN     weights were partly overwritten by a failed epoch (engine stays paused)
+    RECEIVING  an in-place epoch is in flight (engine paused)
+    STAGING    a staged epoch is in flight (engine serving the previous version)
+    BROKEN     weights were partly overwritten by a failed epoch or flip (engine stays paused)
     EMPTY      no plan
+    STAGED     a staged version waits for its Flip (engine serving the previous version)
     READY      plan + joined data group
     PREPARED   plan, no group
 Transitions are checked under one lock; the long parts (rendezvous, receive) run outside it,
@@ -55,6 +57,10 @@ class ShimConfig:
     max_epoch_s: float = 600.0        # cap when the caller set no deadline (or a longer one)
     max_join_s: float = 300.0
     max_control_s: float = 60.0
+    # How long a staged copy waits for its Flip when the epoch does not say (flip_timeout_s),
+    # and the most it may ask: past it the copy is dropped, the engine serving the old version.
+    default_flip_timeout_s: float = 120.0
+    max_flip_timeout_s: float = 3600.0
     max_plan_tensors: int = 1_000_000
     max_plan_bytes: int = 1 << 40
     # Masters the shim may join; a hostile caller must not point the engine at its own rendezvous.
@@ -67,6 +73,7 @@ class Busy(enum.Enum):
 
     JOIN = "InitCollective"
     EPOCH = "UpdateWeights"
+    FLIP = "Flip"
 
 
 class ReceiveEvent(enum.Enum):
@@ -83,8 +90,22 @@ class _Epoch:
     deadline: Deadline
     verify_weights: bool = False
     canary: pb.Canary | None = None  # computed after the commit, before COMMITTED
+    staged: bool = False  # a staged epoch: bytes land in the staging copy, never paused
+    flip_timeout_s: float = 0.0
     bytes_applied: int = 0
     abort_reason: str = ""
+
+
+@dataclass
+class _Staged:
+    """A staged version waiting for its Flip: what the epoch asked for at the flip, and the
+    timer that drops it when no Flip comes."""
+
+    version: int
+    digest: str
+    verify_weights: bool
+    canary: pb.Canary | None
+    expiry: threading.Timer
 
 
 class RefitServicer(pb_grpc.RefitServiceServicer):
@@ -101,6 +122,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._busy: Busy | None = None
         self._epoch: _Epoch | None = None
         self._last_canary: tuple[int, float] = (0, -1.0)  # (version, max_abs_gap) of the last
+        self._staged: _Staged | None = None
+        self._last_stall_s = 0.0
         self._join_deadline: Deadline | None = None
         self._shutting_down = False
 
@@ -112,11 +135,13 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     def _state_locked(self) -> State:
         if self._epoch is not None:
-            return pb.SHIM_STATE_RECEIVING
+            return pb.SHIM_STATE_STAGING if self._epoch.staged else pb.SHIM_STATE_RECEIVING
         if not self._weights_intact:
             return pb.SHIM_STATE_BROKEN
         if self._plan is None:
             return pb.SHIM_STATE_EMPTY
+        if self._staged is not None or self._busy is Busy.FLIP:
+            return pb.SHIM_STATE_STAGED
         if self._group is not None:
             return pb.SHIM_STATE_READY
         return pb.SHIM_STATE_PREPARED
@@ -178,6 +203,10 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 rank_offset=self._group.rank if self._group else -1,
                 last_canary_version=self._last_canary[0],
                 last_canary_gap=self._last_canary[1],
+                staged_version=self._staged.version if self._staged else 0,
+                staged_digest=self._staged.digest if self._staged else "",
+                staging_bytes=self.engine.staging_bytes,
+                last_stall_seconds=self._last_stall_s,
             )
 
     def Prepare(self, request, context):
@@ -191,6 +220,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 if self._busy:
                     raise FailedPreconditionError(f"Prepare refused while {self._busy.value} runs",
                                                   reason=Reason.BUSY)
+                if self._staged is not None and self._plan is not None \
+                        and self._plan.digest != plan.digest:
+                    raise FailedPreconditionError(
+                        f"Prepare of another plan refused: version {self._staged.version} is "
+                        "staged under the current one (Flip it, or Abort to drop it)",
+                        reason=Reason.WRONG_STATE)
                 if self._plan is None or self._plan.digest != plan.digest:
                     # A new plan invalidates the group, which was formed against the old digest.
                     self._drop_group_locked()
@@ -221,6 +256,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     f"ranks [{request.rank_offset}, {request.rank_offset + self.engine.world_size})"
                     f" do not fit world_size {request.world_size}", reason=Reason.INVALID_RANK)
             with self._lock:
+                # Not in STAGED: joining drops the group a staged version came through, and a
+                # trainer that re-forms a group leaves its STAGED engines out of it.
                 self._refuse_state("InitCollective", [pb.SHIM_STATE_PREPARED, pb.SHIM_STATE_READY,
                                                       pb.SHIM_STATE_BROKEN])
                 if self._busy:
@@ -275,6 +312,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     raise FailedPreconditionError(
                         f"the {self.engine.kind} engine cannot compute a canary; open the epoch "
                         "without one", reason=Reason.CANARY_UNSUPPORTED)
+            staged = _epoch_mode(request.mode) == pb.EPOCH_MODE_STAGED
+            flip_timeout_s = self._flip_timeout(request.flip_timeout_s) if staged else 0.0
+            if staged and not self.engine.supports_staging:
+                raise FailedPreconditionError(
+                    f"the {self.engine.kind} engine cannot stage an epoch; open it IN_PLACE",
+                    reason=Reason.STAGING_UNSUPPORTED)
             with self._lock:
                 self._refuse_state("UpdateWeights", [pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
                 if self._busy:
@@ -292,7 +335,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     raise FailedPreconditionError(
                         f"group_id {request.group_id!r} != joined {self._group.group_id!r}",
                         reason=Reason.GROUP_MISMATCH)
-                epoch = _Epoch(request.version, deadline, request.verify_weights, canary)
+                epoch = _Epoch(request.version, deadline, request.verify_weights, canary,
+                               staged=staged, flip_timeout_s=flip_timeout_s)
                 self._epoch = epoch
                 self._busy = Busy.EPOCH
             # A caller that goes away (trainer crash) cancels the receive; the deadline is the
@@ -302,7 +346,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             was_paused = self.engine.is_paused()
             receiver: threading.Thread | None = None
             try:
-                self.engine.pause(mode, deadline)
+                if not staged:  # a staged epoch never pauses: the engine serves throughout
+                    self.engine.pause(mode, deadline)
                 # The receive runs on its own thread so a slow client reading PROGRESS can never
                 # stall the collective; the stream just relays its events. It starts before
                 # ACCEPTED goes out, so its first receives are already posted when the trainer,
@@ -338,6 +383,19 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                         continue
                     digest, canary_result = value
                     break
+                if staged:
+                    with self._lock:
+                        deadline.check("staged")  # an Abort that raced the last bucket wins
+                        self._hold_staged_locked(epoch, digest)
+                        committed = True
+                    log.info("staged version %d (%d bytes, %.3fs; digest %s), flip within %.0fs",
+                             request.version, plan.total_bytes, time.monotonic() - t_accept,
+                             digest[:12], flip_timeout_s)
+                    yield pb.UpdateWeightsResponse(
+                        phase=pb.UPDATE_WEIGHTS_PHASE_STAGED, version=request.version,
+                        bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
+                        seconds=time.monotonic() - t_accept, staged_digest=digest)
+                    return
                 with self._lock:
                     deadline.check("commit")  # an Abort that raced the last bucket wins
                     self._version = request.version
@@ -374,6 +432,10 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             events.put((ReceiveEvent.BUCKET, bucket))
 
         try:
+            if epoch.staged:
+                staged_digest = self.engine.stage(plan, epoch.deadline, on_bucket)
+                events.put((ReceiveEvent.DONE, (staged_digest, None)))
+                return
             self.engine.receive(plan, epoch.deadline, on_bucket)
             digest = self.engine.finish(epoch.version, epoch.deadline)
             if epoch.verify_weights and not digest:
@@ -417,6 +479,105 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                  f"{gap:.2e}" if gap >= 0 else "(no expectation)")
         return pb.CanaryResult(logprobs=logprobs, max_abs_gap=gap, seconds=seconds)
 
+    def Flip(self, request, context):
+        """Switch a STAGED engine to its staged version: pause, load the staged copy, (canary,)
+        clear the cache, resume. Refusals change nothing, but a digest other than the staged
+        one drops the copy: those bytes are not what the trainer sent."""
+        with status_on_error(context, self._record_error):
+            deadline = self._deadline(context, self.config.max_epoch_s)
+            mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
+            if request.instance_id and request.instance_id != self.config.instance_id:
+                raise FailedPreconditionError(
+                    f"this shim is {self.config.instance_id!r}, the Flip was sent to "
+                    f"{request.instance_id!r} (restarted since it staged)",
+                    reason=Reason.MEMBERSHIP_CHANGED)
+            dropped = None
+            with self._lock:
+                if self._shutting_down:
+                    raise EngineUnavailableError("Flip refused: the shim is shutting down",
+                                                 reason=Reason.SHUTTING_DOWN)
+                if self._busy:
+                    raise FailedPreconditionError(f"Flip refused while {self._busy.value} runs",
+                                                  reason=Reason.BUSY)
+                staged = self._staged
+                if staged is None:
+                    why = f" (last error: {self._last_error})" if self._last_error else ""
+                    raise FailedPreconditionError(
+                        f"nothing staged to flip in state "
+                        f"{pb.ShimState.Name(self._state_locked())}{why}",
+                        reason=Reason.NOT_STAGED)
+                if request.version != staged.version:
+                    raise FailedPreconditionError(
+                        f"Flip of version {request.version}, staged is {staged.version}",
+                        reason=Reason.STAGED_VERSION_MISMATCH)
+                if request.staged_digest != staged.digest:
+                    dropped = self._take_staged_locked()
+                    self._last_error = (f"STAGED_DIGEST_MISMATCH: staged version "
+                                        f"{staged.version} dropped")
+                else:
+                    self._take_staged_locked()
+                    self._busy = Busy.FLIP
+            if dropped is not None:
+                self.engine.drop_staged()
+                raise FailedPreconditionError(
+                    f"staged digest {staged.digest[:16]} != the trainer's "
+                    f"{request.staged_digest[:16]!r}: the bytes this engine staged are not the "
+                    f"ones sent; version {staged.version} dropped, serving "
+                    f"{self._version}", reason=Reason.STAGED_DIGEST_MISMATCH)
+            try:
+                done = self._flip(staged, mode, request.stay_paused, deadline)
+            finally:
+                with self._lock:
+                    self._busy = None
+            done.state = self.state()
+            return done
+
+    def _flip(self, staged: _Staged, mode: PauseMode, stay_paused: bool,
+              deadline: Deadline) -> pb.FlipResponse:
+        was_paused = self.engine.is_paused()
+        t_pause = time.monotonic()
+        try:
+            self.engine.pause(mode, deadline)
+        except RefitError:
+            # Not paused, nothing loaded: the engine serves the old version, whole.
+            self.engine.drop_staged()
+            raise
+        try:
+            t_load = time.monotonic()
+            digest = self.engine.flip(staged.version, deadline)
+            load_s = time.monotonic() - t_load
+            if staged.verify_weights and not digest:
+                digest = self.engine.weights_digest(deadline)
+        except BaseException as e:
+            with self._lock:
+                self._weights_intact = False  # partly loaded: paused until a full update
+                self._group = None
+            self.engine.abort_transfer()
+            log.error("flip of version %d failed: %s", staged.version, e)
+            if isinstance(e, RefitError):
+                raise
+            raise EpochAbortedError(f"flip of version {staged.version} failed: "
+                                    f"{type(e).__name__}: {e}", reason=Reason.FLIP_FAILED) from e
+        canary_result = self._run_canary(staged.canary, deadline) if staged.canary else None
+        with self._lock:
+            self._version = staged.version
+            self._weights_intact = True
+            self._last_error = ""
+            if canary_result is not None:
+                self._last_canary = (staged.version, canary_result.max_abs_gap)
+        # The caches hold values computed with the old weights.
+        self.engine.reset_cache(deadline)
+        resumed = not stay_paused and not was_paused
+        if resumed:
+            self.engine.resume(deadline)
+        stall = time.monotonic() - t_pause
+        with self._lock:
+            self._last_stall_s = stall
+        log.info("flipped to version %d: stall %.3fs (load %.3fs)", staged.version, stall, load_s)
+        return pb.FlipResponse(version=staged.version, stall_seconds=stall,
+                               load_seconds=load_s, weights_digest=digest, canary=canary_result,
+                               resumed=resumed)
+
     def Flush(self, request, context):
         with status_on_error(context):
             deadline = self._deadline(context, self.config.max_control_s)
@@ -428,7 +589,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                         "engine is BROKEN (a failed epoch left partial weights); refusing to "
                         "resume until a full update commits", reason=Reason.BROKEN)
                 self._refuse_state("Flush", [pb.SHIM_STATE_EMPTY, pb.SHIM_STATE_PREPARED,
-                                             pb.SHIM_STATE_READY])
+                                             pb.SHIM_STATE_READY, pb.SHIM_STATE_STAGED])
                 if self._busy is Busy.EPOCH:
                     raise FailedPreconditionError("Flush refused while an epoch runs",
                                                   reason=Reason.BUSY)
@@ -459,14 +620,59 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 self._join_deadline.cancel.set()
             self._last_error = f"aborted: {reason}"
             self._group = None
+            staged = self._take_staged_locked()
         self.engine.abort_transfer()  # unblocks a pending receive or join on every peer
+        if staged is not None:
+            self.engine.drop_staged()
+            log.warning("abort: dropped staged version %d", staged.version)
         log.warning("abort: %s (epoch in flight: %s)", reason, epoch is not None)
         return epoch
 
     # --- helpers ---------------------------------------------------------------------------
 
+    def _hold_staged_locked(self, epoch: _Epoch, digest: str) -> None:
+        """Keep a staged version for its Flip, for at most its flip timeout."""
+        expiry = threading.Timer(epoch.flip_timeout_s, self._expire_staged,
+                                 args=(epoch.version,))
+        expiry.daemon = True
+        expiry.name = f"flip-timeout-v{epoch.version}"
+        self._staged = _Staged(epoch.version, digest, epoch.verify_weights, epoch.canary, expiry)
+        expiry.start()
+
+    def _take_staged_locked(self) -> _Staged | None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.expiry.cancel()
+        return staged
+
+    def _expire_staged(self, version: int) -> None:
+        """No Flip came in time (the trainer died, or gave up on this engine): drop the copy;
+        the engine serves the old version as it did throughout."""
+        with self._lock:
+            if self._staged is None or self._staged.version != version:
+                return
+            self._take_staged_locked()
+            self._last_error = f"staged version {version} dropped: no Flip in time"
+        self.engine.drop_staged()
+        log.warning("staged version %d dropped: no Flip within its flip timeout", version)
+
+    def _flip_timeout(self, requested: float) -> float:
+        if requested < 0 or requested != requested or requested == float("inf"):
+            raise InvalidArgumentError(f"flip_timeout_s must be >= 0 and finite, got {requested}",
+                                       reason=Reason.INVALID_FLIP_TIMEOUT)
+        if requested == 0:
+            return self.config.default_flip_timeout_s
+        return min(requested, self.config.max_flip_timeout_s)
+
     def _fail_epoch(self, epoch: _Epoch, was_paused: bool) -> None:
         self.engine.abort_transfer()
+        if epoch.staged:
+            # Only the staging copy was written: the live weights are the old version, whole,
+            # and the engine was never paused by this epoch.
+            self.engine.drop_staged()
+            with self._lock:
+                self._group = None
+            return
         with self._lock:
             self._group = None
             if epoch.bytes_applied > 0 or self.engine.partial_on_failure:
@@ -535,6 +741,14 @@ def _pause_mode(value: int, default: PauseMode) -> PauseMode:
     if value not in PAUSE_MODE_FROM_PROTO:
         raise InvalidArgumentError(f"unknown pause mode {value}", reason=Reason.INVALID_PAUSE_MODE)
     return PAUSE_MODE_FROM_PROTO[value]
+
+
+def _epoch_mode(value: int) -> int:
+    if value == pb.EPOCH_MODE_UNSPECIFIED:
+        return pb.EPOCH_MODE_IN_PLACE
+    if value not in (pb.EPOCH_MODE_IN_PLACE, pb.EPOCH_MODE_STAGED):
+        raise InvalidArgumentError(f"unknown epoch mode {value}", reason=Reason.INVALID_EPOCH_MODE)
+    return value
 
 
 def _packing_pb(p: Packing):

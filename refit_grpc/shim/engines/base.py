@@ -239,6 +239,11 @@ class Engine(ABC):
         (STAGING_UNSUPPORTED) when they do not."""
         return False
 
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory the staging copy holds (kept between staged epochs); 0 when none."""
+        return 0
+
     def stage(self, plan: RefitPlan, deadline: Deadline,
               on_bucket: Callable[[Bucket], None]) -> str:
         """Receive every bucket of the epoch into the staging copy (`refit_grpc.staging`)

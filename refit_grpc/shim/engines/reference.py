@@ -34,6 +34,7 @@ from refit_grpc.plan import Bucket, Packing, RefitPlan, TensorSpec, weights_dige
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import Engine, EngineStatus
 from refit_grpc.shim.engines.options import EngineKind, EngineOptions
+from refit_grpc.staging import StagedDigest, StagingCopy
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,8 @@ class ReferenceEngine(Engine):
         self._flat: torch.Tensor | None = None
         self._flat_digest = ""
         self._flat_offsets: list[int] = []
+        # Staged epochs land here while the live weights keep serving (allocated at the first).
+        self._staging = StagingCopy()
 
     @property
     def world_size(self) -> int:
@@ -333,6 +336,76 @@ class ReferenceEngine(Engine):
     def finish(self, version: int, deadline: Deadline) -> str:
         return ""
 
+    # --- staged epochs -----------------------------------------------------------------------
+
+    @property
+    def supports_staging(self) -> bool:
+        return True
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._staging.nbytes
+
+    def stage(self, plan: RefitPlan, deadline: Deadline,
+              on_bucket: Callable[[Bucket], None]) -> str:
+        """Every bucket lands in place in the staging copy; generation goes on (the pause gate
+        is not touched, nor the live weights)."""
+        with self._lock:
+            group = self._group
+            if group is None or group.closed:
+                raise CollectiveError("no data group; call InitCollective",
+                                      reason=Reason.NO_GROUP)
+            self._staging.allocate(plan)
+        digest = StagedDigest(plan)
+
+        def landed(bucket: Bucket) -> None:
+            view = self._staging.bucket_view(bucket)
+            self._on_staged(bucket, view)
+            digest.add(bucket, view)
+            on_bucket(bucket)
+
+        receive(group, plan, deadline, _never_applied, landed, land=self._staging.bucket_view,
+                land_from_first=True)
+        staged = digest.hexdigest()
+        self._staging.complete(staged)
+        return staged
+
+    def _on_staged(self, bucket: Bucket, view: torch.Tensor) -> None:
+        """A bucket landed in the staging copy, before its checksum (a test's fault hook)."""
+
+    def flip(self, version: int, deadline: Deadline) -> str:
+        """The staged copy into the live weights: one memmove of the whole plan where the store
+        holds it in one buffer in the same layout, else a copy per tensor."""
+        deadline.check("flip")
+        if self._staging.digest is None:
+            raise FailedPreconditionError("nothing staged to flip", reason=Reason.NOT_STAGED)
+        with self._lock:
+            self._receiving = True
+            self._digest = None
+            plan = self._staging_plan()
+            self._plan = plan
+            self._allocate(plan)
+        try:
+            if self._flat is not None:
+                copy_bytes(self._flat, self._staging.flat_bytes())
+            else:
+                with torch.no_grad():
+                    for spec, raw in self._staging.tensors():
+                        copy_bytes(self._weights[spec.name].reshape(-1).view(torch.uint8), raw)
+        finally:
+            with self._lock:
+                self._receiving = False
+        self._staging.mark_live(version)
+        return ""
+
+    def _staging_plan(self) -> RefitPlan:
+        plan = self._staging.plan
+        assert plan is not None  # a complete copy has a plan
+        return plan
+
+    def drop_staged(self) -> None:
+        self._staging.invalidate()
+
     def abort_transfer(self) -> None:
         with self._lock:
             group, self._group = self._group, None
@@ -341,6 +414,10 @@ class ReferenceEngine(Engine):
 
     def tensor(self, name: str) -> torch.Tensor:
         return self._weights[name]
+
+
+def _never_applied(bucket: Bucket, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
+    raise AssertionError("a staged receive lands every bucket in the staging copy")
 
 
 MODELS = ("tiny-lm", "none")
