@@ -11,11 +11,10 @@ import time
 import grpc
 import pytest
 import torch
-from support import InProcessShim, join, prepare_request, start_ready_shim, tensors_v
 
+from refit_grpc.canary import teacher_forced_logprobs
 from refit_grpc.collective import Sender
 from refit_grpc.common import Deadline
-from refit_grpc.canary import teacher_forced_logprobs
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
@@ -24,6 +23,8 @@ from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.service import ShimConfig
 from refit_grpc.staging import StagedDigest, staged_digest
+
+from support import InProcessShim, join, prepare_request, start_ready_shim, tensors_v
 
 
 class StagedStream:
@@ -199,14 +200,14 @@ def test_abort_before_the_flip_leaves_the_old_version_serving(ready, when):
 def test_bad_staged_requests_are_refused_before_accepted(ready):
     stub = ready.shim.stub
     base = dict(version=2, plan_digest=ready.plan.digest, group_id="g1")
-    for fields, reason in [(dict(mode=7), "INVALID_EPOCH_MODE"),
+    for fields, expected in [(dict(mode=7), "INVALID_EPOCH_MODE"),
                            (dict(mode=pb.EPOCH_MODE_STAGED, flip_timeout_s=-1),
                             "INVALID_FLIP_TIMEOUT"),
                            (dict(mode=pb.EPOCH_MODE_STAGED, flip_timeout_s=float("nan")),
                             "INVALID_FLIP_TIMEOUT")]:
-        code, got = refusal(lambda: list(stub.UpdateWeights(
-            pb.UpdateWeightsRequest(**base, **fields), timeout=5)))
-        assert (code, got) == (grpc.StatusCode.INVALID_ARGUMENT, reason)
+        request = pb.UpdateWeightsRequest(**base, **fields)
+        assert refusal(lambda r=request: list(stub.UpdateWeights(r, timeout=5))) == \
+            (grpc.StatusCode.INVALID_ARGUMENT, expected)
     d = ready.shim.describe()
     assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, 1)
 
