@@ -13,6 +13,10 @@ module maps vLLM's four phases onto it:
     update_weights(info)        LayerwiseReceiver.update (receive + load; rollback on failure)
     finish_weight_update()      LayerwiseReceiver.finish (finalize_layerwise_reload)
     shutdown()                  LayerwiseReceiver.close
+    __call__(op, payload)       a staged epoch's stage / stage_status / drop_staged, through
+                                vLLM's POST /collective_rpc (the receive runs on a thread of
+                                its own, beside the engine loop: `staged.py`); its flip is an
+                                update_weights whose update_info says source="staged"
 
 The error of a failed update starts with `refit_grpc[applied=A/B]`: A buckets of B reached the
 model. With A == 0 the rollback restored every layer, so the weights are the old ones; the shim
@@ -21,6 +25,7 @@ model. With A == 0 the rollback restored every layer, so the weights are the old
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +44,13 @@ from refit_grpc.vllm_plugin.layerwise import (  # noqa: F401  (TiedRoutes: re-ex
     tied_heads,
     worker_rank,
 )
-from refit_grpc.wire.vllm import GlooInitInfo, GlooUpdateInfo
+from refit_grpc.wire.vllm import (
+    STAGE_OP_DROP,
+    STAGE_OP_START,
+    STAGE_OP_STATUS,
+    GlooInitInfo,
+    GlooUpdateInfo,
+)
 
 
 @dataclass(kw_only=True)
@@ -82,7 +93,7 @@ class RefitGlooWeightTransferEngine(
         self.receiver.join(init_info, self.worker_rank(init_info.rank_offset))
 
     def shutdown(self) -> None:
-        self.receiver.close()
+        self.receiver.close()  # a staged receive on the group fails at once, reports it
 
     # --- one update ------------------------------------------------------------------------
 
@@ -103,6 +114,35 @@ class RefitGlooWeightTransferEngine(
 
     def finish_weight_update(self) -> None:
         self.receiver.finish()
+
+    # --- staged epochs: reached through POST /collective_rpc ------------------------------
+
+    def __call__(self, op: str, payload: str = "") -> dict[str, Any]:
+        """One staged-epoch operation on this worker (docs/vllm.md, Staged epochs).
+
+        vLLM's dev-mode POST /collective_rpc runs `getattr(worker, method)(**kwargs)` on every
+        worker; naming this engine's attribute (`refit_grpc.wire.vllm.STAGE_RPC_METHOD`) calls
+        it here, with string arguments only, as that route asks. Every operation returns at
+        once: the staged receive itself runs on its own thread (`staged.StagedReceive`), so
+        the worker's engine loop keeps serving while the bytes arrive.
+
+        Args:
+            op: `stage` (payload: the update_info of the plan), `stage_status` or
+                `drop_staged`.
+            payload: JSON.
+
+        Returns:
+            This worker's `refit_grpc.wire.vllm.StageStatus`, as a dict.
+        """
+        if op == STAGE_OP_START:
+            status = self.receiver.stage(self.parse_update_info(json.loads(payload or "{}")))
+        elif op == STAGE_OP_STATUS:
+            status = self.receiver.staged.status()
+        elif op == STAGE_OP_DROP:
+            status = self.receiver.staged.drop()
+        else:
+            raise ValueError(f"refit_grpc gloo: unknown operation {op!r}")
+        return status.to_wire()
 
 
 __all__ = ["RefitGlooInitInfo", "RefitGlooUpdateInfo", "RefitGlooWeightTransferEngine",

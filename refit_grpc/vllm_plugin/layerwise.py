@@ -29,6 +29,11 @@ The error of a failed update starts with `refit_grpc[applied=A/B]`: A buckets of
 model. With A == 0 the rollback restored every layer, so the weights are the old ones; the shim
 reads the marker from the engine's error (vLLM's HTTP 500 body, Dynamo's `{"status": "error"}`).
 
+A staged epoch (docs/vllm.md, Staged epochs) receives into the worker's staged copy on a thread
+beside the engine loop (`stage`, `staged.StagedReceive`); its flip is an update whose
+`source="staged"` feeds the same loader (`_loader`) from that copy instead of the group, inside
+the same session, rollback and tied-head and experts handling as a receive.
+
 An update can be aborted from outside the worker: the shim sets the update's `abort_key` in the
 trainer's TCPStore, which the receive polls (vLLM runs worker RPCs one at a time, so no other
 call can reach a worker blocked inside a receive).
@@ -43,7 +48,7 @@ import datetime
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,11 +60,18 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 
-from refit_grpc.collective import Group, receive
+from refit_grpc.collective import Group, receive, unpack
 from refit_grpc.common import Deadline, GroupSpec
-from refit_grpc.plan import Bucket, TensorSpec
+from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
 from refit_grpc.vllm_plugin.moe import ExpertsReprocessing
-from refit_grpc.wire.vllm import GlooInitInfo, GlooUpdateInfo, applied_marker
+from refit_grpc.vllm_plugin.staged import StagedReceive
+from refit_grpc.wire.vllm import (
+    SOURCE_STAGED,
+    GlooInitInfo,
+    GlooUpdateInfo,
+    StageStatus,
+    applied_marker,
+)
 from refit_grpc.wire.vllm import worker_rank as wire_worker_rank
 
 log = logging.getLogger("vllm.refit_grpc")
@@ -89,6 +101,7 @@ class LayerwiseReceiver:
         self._abort_store: dist.Store | None = None
         self._tied: list[TiedHead] = []
         self._experts: ExpertsReprocessing | None = None
+        self.staged = StagedReceive()  # a staged epoch's copy and its background receive
 
     @property
     def joined(self) -> bool:
@@ -110,6 +123,7 @@ class LayerwiseReceiver:
                  time.monotonic() - t0)
 
     def close(self) -> None:
+        # A staged receive on this group fails at once (GROUP_CLOSED) and reports it.
         group, self.group, self.info = self.group, None, None
         self._abort_store = None
         if group is not None:
@@ -126,36 +140,35 @@ class LayerwiseReceiver:
         initialize_layerwise_reload(self.model)
 
     def update(self, update_info: GlooUpdateInfo) -> None:
-        """Receive and load every bucket. On failure: roll the session back, drop the group
-        (unusable: a peer left, or a receive is still posted) and raise a RuntimeError whose
-        message starts with the applied marker."""
+        """Load every bucket of one update: received from the group, or, for a staged epoch's
+        flip (`source="staged"`), read from the staged copy. On failure: roll the session back,
+        drop the group after a failed receive (unusable: a peer left, or a receive is still
+        posted) and raise a RuntimeError whose message starts with the applied marker."""
         self.applied, self.total = 0, 0
+        staged = update_info.source == SOURCE_STAGED
         try:
-            self._receive(update_info)
+            if staged:
+                self._load_staged(update_info)
+            else:
+                self._receive(update_info)
         except Exception as e:
             restored = self.rollback()
-            self.close()
+            if not staged:
+                self.close()
             raise RuntimeError(
-                f"{applied_marker(self.applied, self.total)} receive failed "
+                f"{applied_marker(self.applied, self.total)} "
+                f"{'load of the staged copy' if staged else 'receive'} failed "
                 f"({type(e).__name__}: {e}); rolled back ({restored} partly loaded layers "
                 f"restored{'' if self.applied else ', weights unchanged'})") from e
         except BaseException:
             self.rollback()
             raise
 
-    def _receive(self, update_info: GlooUpdateInfo) -> None:
-        group, info = self.group, self.info
-        if group is None or group.closed or info is None:
-            raise RuntimeError("refit_grpc gloo weight transfer is not initialised; "
-                               "join the group first")
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-
-        plan = update_info.plan(info.packing)
-        self.total = len(plan.buckets)
-        self.last_stats = {"buckets": len(plan.buckets), "bytes": plan.total_bytes}
-        deadline = Deadline(update_info.timeout_s or info.timeout_s)
+    def _loader(self, plan: RefitPlan
+                ) -> Callable[[Bucket, Iterator[tuple[TensorSpec, torch.Tensor]]], None]:
+        """The one way a bucket's tensors reach the model, whichever way its bytes came: an
+        owned copy of each (layerwise reload keeps them until their layer completes), the tied
+        routes, `model.load_weights`. Counts `applied`."""
         routes = TiedRoutes(self._tied, {s.name for s in plan.tensors})
 
         def apply(bucket: Bucket, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
@@ -172,6 +185,25 @@ class LayerwiseReceiver:
                     # A vLLM model's own method; nn.Module's __getattr__ types it Tensor | Module.
                     self.model.load_weights(loads)  # type: ignore[operator]
 
+        return apply
+
+    def _receive(self, update_info: GlooUpdateInfo) -> None:
+        group, info = self.group, self.info
+        if group is None or group.closed or info is None:
+            raise RuntimeError("refit_grpc gloo weight transfer is not initialised; "
+                               "join the group first")
+        if self.staged.running:
+            raise RuntimeError("refit_grpc gloo: a staged receive is running on this group; "
+                               "drop it first")
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        plan = update_info.plan(info.packing)
+        self.total = len(plan.buckets)
+        self.last_stats = {"buckets": len(plan.buckets), "bytes": plan.total_bytes}
+        deadline = Deadline(update_info.timeout_s or info.timeout_s)
+        apply = self._loader(plan)
         watcher = (_AbortWatcher(self._store(info), update_info.abort_key, deadline.cancel)
                    if update_info.abort_key else None)
         # An operator reading the engine's log sees each rank enter the receive (and the
@@ -187,6 +219,49 @@ class LayerwiseReceiver:
         self.last_stats.update(seconds=stats.seconds, rank=self.rank)
         log.info("refit_grpc gloo: received %d buckets, %d bytes in %.3fs", stats.buckets,
                  stats.bytes, stats.seconds)
+
+    def _load_staged(self, update_info: GlooUpdateInfo) -> None:
+        """A staged epoch's flip: every bucket of the staged copy through `_loader`, exactly as
+        a receive would hand it over. The group is not needed (the trainer may have left)."""
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        assert update_info.staged_digest  # GlooUpdateInfo refuses a staged load without one
+        staged_plan = self.staged.take(update_info.staged_digest)
+        plan = update_info.plan(staged_plan.packing)  # its plan_digest: the staged plan's
+        if plan.digest != staged_plan.digest:
+            raise RuntimeError(f"refit_grpc gloo: the flip's plan {plan.digest[:12]} is not "
+                               f"the staged one {staged_plan.digest[:12]}")
+        self.total = len(plan.buckets)
+        deadline = Deadline(update_info.timeout_s or 600.0)
+        apply = self._loader(plan)
+        t0 = time.monotonic()
+        with disable_mtp_completeness_check():
+            for bucket in plan.buckets:
+                deadline.check(f"load of staged bucket {bucket.index}")
+                apply(bucket, unpack(self.staged.copy.bucket_view(bucket),
+                                     plan.tensors[bucket.start:bucket.stop]))
+        self.staged.consumed()
+        seconds = time.monotonic() - t0
+        self.last_stats = {"buckets": len(plan.buckets), "bytes": plan.total_bytes,
+                           "seconds": seconds, "rank": self.rank, "source": SOURCE_STAGED}
+        log.info("refit_grpc gloo: loaded the staged copy, %d buckets, %d bytes in %.3fs",
+                 len(plan.buckets), plan.total_bytes, seconds)
+
+    # --- staged epochs: the receive beside the engine loop (staged.py) ---------------------
+
+    def stage(self, update_info: GlooUpdateInfo) -> StageStatus:
+        """Start a staged receive of `update_info`'s plan on a thread of its own; returns at
+        once (the worker's main thread goes back to serving). A failed staged receive closes
+        the group, as a failed receive does."""
+        group, info = self.group, self.info
+        if group is None or group.closed or info is None or self.rank is None:
+            raise RuntimeError("refit_grpc gloo weight transfer is not initialised; "
+                               "join the group first")
+        plan = update_info.plan(info.packing)
+        deadline = Deadline(update_info.timeout_s or info.timeout_s)
+        return self.staged.start(group, plan, deadline, self.rank, on_failure=group.close)
 
     def _store(self, info: GlooInitInfo) -> dist.Store | None:
         """A client of the trainer's TCPStore, for abort keys (the group's own stays private)."""

@@ -16,6 +16,7 @@ which the gloo backend inside vLLM tells the shim how much of a failed update re
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any
 
@@ -37,6 +38,84 @@ APPLIED_RE = re.compile(r"refit_grpc\[applied=(\d+)/(\d+)\]")
 
 def applied_marker(applied: int, total: int) -> str:
     return f"refit_grpc[applied={applied}/{total}]"
+
+
+# --- staged epochs (docs/vllm.md, Staged epochs) --------------------------------------------------
+#
+# A staged receive runs on a thread of each vLLM worker beside its engine loop; the shim starts,
+# polls and drops it through vLLM's dev-mode POST /collective_rpc, naming the worker attribute
+# that holds the project's weight-transfer engine (callable with one operation and a JSON
+# payload, both strings as that route asks). The flip is an ordinary /update_weights whose
+# update_info says `source: "staged"`.
+STAGE_RPC_METHOD = "weight_transfer_engine"
+STAGE_OP_START = "stage"            # payload: the update_info of the plan; returns the status
+STAGE_OP_STATUS = "stage_status"    # returns the status
+STAGE_OP_DROP = "drop_staged"       # forget the copy, end a receive in flight; returns the status
+STAGE_OPS = (STAGE_OP_START, STAGE_OP_STATUS, STAGE_OP_DROP)
+SOURCE_STAGED = "staged"
+
+# A worker's staged receive, as its status says
+STAGE_IDLE, STAGE_RECEIVING, STAGE_STAGED, STAGE_FAILED = "idle", "receiving", "staged", "failed"
+
+
+def stage_rpc_body(op: str, update_info: dict[str, Any] | None = None,
+                   timeout_s: float | None = None) -> dict[str, Any]:
+    """The body of POST /collective_rpc for one staged-epoch operation on every worker.
+
+    Args:
+        op: one of `STAGE_OPS`.
+        update_info: `update_info_for(plan, "gloo", ...)`, for `STAGE_OP_START` only.
+        timeout_s: how long vLLM waits for the workers' answers.
+
+    Returns:
+        The JSON body.
+    """
+    if op not in STAGE_OPS:
+        raise ValueError(f"unknown staged-epoch operation {op!r}")
+    body: dict[str, Any] = {"method": STAGE_RPC_METHOD,
+                            "kwargs": {"op": op, "payload": json.dumps(update_info or {})}}
+    if timeout_s is not None:
+        body["timeout"] = timeout_s
+    return body
+
+
+@dataclasses.dataclass(frozen=True)
+class StageStatus:
+    """One worker's answer to a staged-epoch operation.
+
+    Args:
+        rank: the worker's rank in the data group.
+        state: `STAGE_IDLE`, `STAGE_RECEIVING`, `STAGE_STAGED` or `STAGE_FAILED`.
+        landed: buckets landed (and checksummed) in the copy so far, in bucket order.
+        total: buckets of the plan.
+        digest: the staged digest once `STAGE_STAGED`, else "".
+        error: why it failed (`STAGE_FAILED`), else "".
+        reason: the failure's `Reason` name where the worker knew it, else "".
+        staging_bytes: host memory the worker's copy holds.
+    """
+
+    rank: int
+    state: str
+    landed: int = 0
+    total: int = 0
+    digest: str = ""
+    error: str = ""
+    reason: str = ""
+    staging_bytes: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, body: Any) -> StageStatus:
+        """Parse one worker's result; raises ValueError on anything else."""
+        if not isinstance(body, dict):
+            raise ValueError(f"a staged-epoch status must be an object, got {body!r:.200}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        status = cls(**{k: v for k, v in body.items() if k in names})
+        if status.state not in (STAGE_IDLE, STAGE_RECEIVING, STAGE_STAGED, STAGE_FAILED):
+            raise ValueError(f"unknown staged-epoch state {status.state!r}")
+        return status
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -85,6 +164,10 @@ class GlooUpdateInfo:
     plan_digest: str | None = None  # if set, the plan rebuilt here must have exactly this digest
     # A key in the trainer's TCPStore: once someone sets it, this receive gives up at once.
     abort_key: str | None = None
+    # Where the bytes come from: None, the group (an in-place receive); "staged", the worker's
+    # staged copy (a staged epoch's flip), which must hold exactly `staged_digest`.
+    source: str | None = None
+    staged_digest: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -93,6 +176,10 @@ class GlooUpdateInfo:
                              f"{len(self.dtype_names)}/{len(self.shapes)}")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.source not in (None, SOURCE_STAGED):
+            raise ValueError(f"source must be unset or {SOURCE_STAGED!r}, got {self.source!r}")
+        if self.source == SOURCE_STAGED and not self.staged_digest:
+            raise ValueError("a load from the staged copy needs the staged_digest it must hold")
 
     def plan(self, packing: Packing) -> RefitPlan:
         specs = tuple(TensorSpec(name, tuple(int(d) for d in shape), dtype_from_name(dt))
@@ -160,6 +247,15 @@ def update_info_for(plan: RefitPlan, backend: str, timeout_s: float | None = Non
         info = dataclasses.replace(info, timeout_s=timeout_s, plan_digest=plan.digest,
                                    abort_key=abort_key or None)
     return info.to_wire()
+
+
+def flip_info_for(plan: RefitPlan, timeout_s: float, staged_digest: str) -> dict[str, Any]:
+    """`update_info` of the /update_weights that loads a worker's staged copy (a staged epoch's
+    flip, gloo backend only): the plan as for a receive, the bytes from the copy, which must
+    hold exactly `staged_digest`."""
+    info = update_info_for(plan, "gloo", timeout_s)
+    info.update(source=SOURCE_STAGED, staged_digest=staged_digest)
+    return GlooUpdateInfo(**info).to_wire()
 
 
 def nccl_misalignment(plan: RefitPlan) -> str | None:

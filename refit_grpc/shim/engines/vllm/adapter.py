@@ -18,6 +18,15 @@ only translates the shim's engine calls into HTTP calls (standard library only):
                     broadcasts); `on_bucket` runs for every bucket once that call succeeded, since
                     vLLM reports nothing per bucket (PROGRESS arrives in one burst)
     finish(v)       POST /finish_weight_update {"weight_version": "v"}
+    stage           POST /collective_rpc {"method": "weight_transfer_engine", "kwargs": {"op":
+                    "stage", ...}}: every worker starts a receive into its staged copy on a
+                    thread beside its engine loop and answers at once; then the same route
+                    with "stage_status" every 0.1 s until every bucket landed everywhere (the
+                    engine serves the old version meanwhile, never paused)
+    flip(v)         /start_weight_update, /update_weights {"update_info": {..., "source":
+                    "staged", "staged_digest"}} (the workers load their copies through the
+                    receive's own loader), /finish_weight_update {"weight_version": "v"}
+    drop_staged     POST /collective_rpc "drop_staged", on a background thread
     abort_transfer  POST /shutdown_weight_transfer_engine on a background thread; a blocked
                     /update_weights is told through the trainer's TCPStore (an abort key the
                     gloo backend polls: vLLM runs worker RPCs one at a time, so no route can
@@ -44,28 +53,48 @@ import dataclasses
 import hashlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
+    CollectiveError,
     EngineUnavailableError,
     EpochAbortedError,
     FailedPreconditionError,
     InvalidPlanError,
     RefitError,
+    RefitTimeoutError,
 )
 from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import EngineStatus
 from refit_grpc.shim.engines.checkpoint import CheckpointIndex
-from refit_grpc.shim.engines.http_client import CallKind
+from refit_grpc.shim.engines.http_client import CallKind, is_timeout_text
 from refit_grpc.shim.engines.http_engine import HttpEngine, HttpEngineOptions, worker_timeout
 from refit_grpc.shim.engines.options import EngineKind
-from refit_grpc.wire.vllm import init_info_for, nccl_misalignment, update_info_for
+from refit_grpc.wire.vllm import (
+    STAGE_FAILED,
+    STAGE_IDLE,
+    STAGE_OP_DROP,
+    STAGE_OP_START,
+    STAGE_OP_STATUS,
+    STAGE_STAGED,
+    StageStatus,
+    flip_info_for,
+    init_info_for,
+    nccl_misalignment,
+    stage_rpc_body,
+    update_info_for,
+)
 
 log = logging.getLogger(__name__)
+
+# How often a stage polls the workers' receive (POST /collective_rpc, answered between two
+# engine steps): PROGRESS at this granularity, a few ms of the engine loop per second.
+STAGE_POLL_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +122,9 @@ class VLLMEngine(HttpEngine):
         self._world_size: int | None = None
         self._backend = "gloo"
         self._model_name: str | None = None  # /v1/models id, for the canary's request
+        self._staged: tuple[RefitPlan, str] | None = None  # what stage() returned, for flip
+        self._drop_thread: threading.Thread | None = None
+        self._staging_bytes = 0
 
     # --- the engine interface --------------------------------------------------------------
 
@@ -215,6 +247,19 @@ class VLLMEngine(HttpEngine):
 
     def receive(self, plan: RefitPlan, deadline: Deadline,
                 on_bucket: Callable[[Bucket], None]) -> None:
+        def info(left_s: float, abort_key: str | None) -> dict[str, Any]:
+            return update_info_for(plan, self._backend, worker_timeout(left_s), abort_key)
+
+        self._update(deadline, info, "update_weights")
+        for bucket in plan.buckets:
+            on_bucket(bucket)
+
+    def _update(self, deadline: Deadline, info: Callable[[float, str | None], dict[str, Any]],
+                what: str, *, network: bool = True) -> None:
+        """One weight-update session: /start_weight_update, the blocking /update_weights whose
+        update_info is `info(seconds left, abort key)` (a receive, or with `network=False` a
+        flip's load of the staged copy, which needs no abort key: it reads host memory),
+        watched for aborts. The caller commits with /finish_weight_update."""
         gen = self._http.generation
         with self._lock:
             self._receiving, self._touched = True, False
@@ -227,22 +272,20 @@ class VLLMEngine(HttpEngine):
             if deadline.cancel.is_set() or gen != self._http.generation:
                 self._end_untouched_session()
                 raise EpochAbortedError("aborted before /update_weights", reason=Reason.EPOCH_ABORTED)
-            left = deadline.check("update_weights")
+            left = deadline.check(what)
             group = self._group
-            abort_key = self._abort_key(group) if self._backend == "gloo" else None
-            update = update_info_for(plan, self._backend, worker_timeout(left), abort_key)
+            abort_key = self._abort_key(group) if network and self._backend == "gloo" else None
+            update = info(left, abort_key)
             self._watched_receive(
                 lambda on_cancel: self._http.call(
                     "POST", "/update_weights", deadline, kind=CallKind.RECEIVE,
-                    what="update_weights", body={"update_info": update}, cap_s=math.inf,
+                    what=what, body={"update_info": update}, cap_s=math.inf,
                     extra_s=1.0, watch=deadline, gen=gen, on_cancel=on_cancel),
-                "update_weights", deadline, gen, group, abort_key)
+                what, deadline, gen, group, abort_key)
         finally:
             with self._lock:
                 self._busy -= 1
                 self._receiving = False
-        for bucket in plan.buckets:
-            on_bucket(bucket)
 
     def _post_finish(self, version: int, deadline: Deadline) -> None:
         self._http.call("POST", "/finish_weight_update", deadline, what="finish_weight_update",
@@ -250,6 +293,151 @@ class VLLMEngine(HttpEngine):
 
     def _teardown(self, deadline: Deadline) -> None:
         self._shutdown_transfer(deadline, end_stale_update=False)
+
+    # --- staged epochs ---------------------------------------------------------------------
+
+    @property
+    def supports_staging(self) -> bool:
+        """The project's gloo backend stages (its workers receive on a thread beside the engine
+        loop); vLLM's own nccl backend has no such receive (docs/vllm.md, Staged epochs)."""
+        with self._lock:
+            return self._backend == "gloo"
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory the workers' staged copies hold (one copy of the plan per worker), as
+        they last reported it; 0 before the first staged epoch."""
+        with self._lock:
+            return self._staging_bytes
+
+    def stage(self, plan: RefitPlan, deadline: Deadline,
+              on_bucket: Callable[[Bucket], None]) -> str:
+        """Start every worker's background receive into its staged copy (POST /collective_rpc,
+        returns at once), then poll them until every bucket landed everywhere. The engine is
+        not paused and its weights are not touched; every worker stages the whole plan (each
+        TP rank receives every byte, as in place), and their staged digests must agree.
+
+        Returns:
+            The staged digest.
+
+        Raises:
+            RefitError: a worker's receive failed (its reason where it knew one), the workers
+                disagree, or the stage was aborted or ran out of time; nothing is staged then.
+        """
+        self._join_drop(deadline)
+        gen = self._http.generation
+        with self._lock:
+            self._staged = None
+        left = deadline.check("stage")
+        update = update_info_for(plan, "gloo", worker_timeout(left))
+        statuses = self._stage_rpc(STAGE_OP_START, deadline, update)
+        reported = 0
+        while True:
+            failed = [s for s in statuses if s.state == STAGE_FAILED]
+            if failed:
+                raise self._stage_error(failed)
+            landed = min(s.landed for s in statuses)
+            for bucket in plan.buckets[reported:landed]:
+                on_bucket(bucket)
+            reported = max(reported, landed)
+            if all(s.state == STAGE_STAGED for s in statuses):
+                digests = {s.digest for s in statuses}
+                if len(digests) != 1:
+                    raise CollectiveError(
+                        "stage: the workers staged different bytes: "
+                        + ", ".join(f"rank {s.rank} {s.digest[:12]}" for s in statuses),
+                        reason=Reason.RECEIVE_FAILED)
+                (digest,) = digests
+                with self._lock:
+                    self._staged = (plan, digest)
+                return digest
+            if any(s.state == STAGE_IDLE for s in statuses) or gen != self._http.generation:
+                raise EpochAbortedError("stage: dropped or aborted while receiving",
+                                        reason=Reason.EPOCH_ABORTED)
+            deadline.cancel.wait(min(STAGE_POLL_S, max(deadline.remaining(), 0.0)))
+            deadline.check("stage")
+            statuses = self._stage_rpc(STAGE_OP_STATUS, deadline)
+
+    def flip(self, version: int, deadline: Deadline) -> str:
+        """Load the staged copy into the live weights through the in-place receive's own
+        session (/start_weight_update, /update_weights with `source: "staged"`, whose worker
+        side is the same loader: layerwise reload, tied heads, MoE experts), then commit
+        `version` (/finish_weight_update). Called while paused."""
+        with self._lock:
+            staged = self._staged
+        if staged is None:
+            raise FailedPreconditionError("flip: nothing is staged on this engine",
+                                          reason=Reason.NOT_STAGED)
+        plan, digest = staged
+        self._update(deadline, lambda left, _key: flip_info_for(plan, worker_timeout(left),
+                                                               digest),
+                     "update_weights(staged)", network=False)
+        with self._lock:
+            self._staged = None  # the workers consumed their copies
+        return self.finish(version, deadline)
+
+    def drop_staged(self) -> None:
+        """Forget the staged copy on every worker and end a staged receive in flight (on a
+        background thread: never blocks; the next stage waits for it)."""
+        with self._lock:
+            self._staged = None
+            if self._drop_thread is not None and self._drop_thread.is_alive():
+                return
+            thread = threading.Thread(target=self._background_drop, daemon=True,
+                                      name="vllm-drop_staged")
+            self._drop_thread = thread
+        thread.start()
+
+    def _background_drop(self) -> None:
+        try:
+            self._stage_rpc(STAGE_OP_DROP, Deadline(self.request_timeout_s))
+        except RefitError as e:
+            log.info("background drop_staged: %s", e)
+
+    def _join_drop(self, deadline: Deadline) -> None:
+        thread = self._drop_thread
+        if thread is not None and thread.is_alive():
+            thread.join(max(min(deadline.remaining(), self.request_timeout_s), 0.0))
+
+    def _stage_rpc(self, op: str, deadline: Deadline,
+                   update: dict[str, Any] | None = None) -> list[StageStatus]:
+        """One staged-epoch operation on every worker (POST /collective_rpc); their statuses,
+        in worker order. Each call is short (the workers answer at once) and bounded."""
+        cap = min(self.request_timeout_s, max(deadline.remaining(), 0.001))
+        try:
+            body = self._http.call("POST", "/collective_rpc", deadline, what=f"{op}",
+                                   body=stage_rpc_body(op, update, timeout_s=round(cap, 3)))
+        except FailedPreconditionError as e:
+            if "not callable" in e.message:  # vLLM's nccl backend, or no weight transfer
+                raise FailedPreconditionError(
+                    f"{e.message} (staged epochs need the project's gloo backend)",
+                    reason=Reason.STAGING_UNSUPPORTED) from e
+            raise
+        results = body.get("results") if isinstance(body, dict) else None
+        try:
+            if not isinstance(results, list) or not results:
+                raise ValueError(f"no results: {body!r:.200}")
+            statuses = [StageStatus.from_wire(r) for r in results]
+        except (TypeError, ValueError) as e:
+            raise RefitError(f"{op}: the workers' answer is unreadable ({e})",
+                             reason=Reason.ENGINE_ERROR) from e
+        with self._lock:
+            self._staging_bytes = sum(s.staging_bytes for s in statuses)
+        return statuses
+
+    @staticmethod
+    def _stage_error(failed: list[StageStatus]) -> RefitError:
+        """The typed error of the first failed worker, by the reason it reported."""
+        first = failed[0]
+        message = "stage: " + "; ".join(f"rank {s.rank} failed after {s.landed}/{s.total} "
+                                        f"buckets: {s.error}" for s in failed)
+        if first.reason == Reason.EPOCH_ABORTED or first.reason == Reason.GROUP_CLOSED:
+            return EpochAbortedError(message, reason=first.reason)
+        if first.reason == Reason.DEADLINE_EXCEEDED or is_timeout_text(first.error):
+            return RefitTimeoutError(message)
+        if first.reason in Reason.__members__:
+            return CollectiveError(message, reason=Reason(first.reason))
+        return CollectiveError(message, reason=Reason.RECEIVE_FAILED)
 
     # --- the canary ------------------------------------------------------------------------
 

@@ -1,0 +1,469 @@
+"""Staged epochs on a real vLLM: the bytes land in each worker's staged copy while the engine keeps
+generating, and the flip loads that copy through the in-place receive's own loader.
+
+One CPU vLLM server (the tiny Llama) for the module, driven at the engine level as the shim drives
+it (`VLLMEngine.stage`, then pause / `flip` / reset_cache / resume), the trainer being rank 0 of a
+real gloo group with `Sender`, which also computes the trainer's staged digest:
+
+(a) while streamed generations run, a staged epoch lands every byte: tokens keep arriving during
+    the staging window (the longest gap between streamed tokens then and in steady state is
+    printed, never asserted), the engine is never paused, and it still computes the old
+    version's log-probabilities until the flip;
+(b) after each flip, over the versions of (a) and (b), vLLM's teacher-forced `prompt_logprobs`
+    equal transformers' on the new weights, and vLLM's weight version is the flipped one;
+(c) a staged receive dropped or aborted midway ends promptly, nothing is staged, the engine was
+    never paused and still serves the old version, and the next staged epoch goes through.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from support import info, join_trainer
+from vllm_support import require_vllm, tiny_model_dir
+from vllm_support.servers import module_pool
+
+require_vllm()
+
+# The module's vLLM server starts with the first test (about a minute here).
+pytestmark = pytest.mark.timeout(600)
+
+from refit_grpc.collective import Group, Sender  # noqa: E402
+from refit_grpc.common import Deadline, GroupSpec, PauseMode  # noqa: E402
+from refit_grpc.errors import RefitError  # noqa: E402
+from refit_grpc.plan import Bucket, Packing, RefitPlan  # noqa: E402
+from refit_grpc.reasons import Reason  # noqa: E402
+from refit_grpc.shim.engines.vllm import VLLMEngine  # noqa: E402
+from refit_grpc.staging import StagedDigest  # noqa: E402
+from refit_grpc.testing.vllm import PROMPT, SERVED_MODEL, http_json  # noqa: E402
+from refit_grpc.wire.vllm import STAGE_OP_STATUS, StageStatus  # noqa: E402
+
+from vllm_support.truth import (  # noqa: E402
+    FP32_TOL,
+    LR,
+    MIN_MOVE,
+    engine_logprobs,
+    hf_logprobs,
+    load_model,
+    sgd_step,
+    state_dict_to_send,
+)
+
+STEP_S = 30.0
+EPOCH_S = 60.0
+# 128 KiB buckets: the 1.7 MB model in 8 buckets, so a paced sender keeps the staging window
+# open long enough for the engine to stream tokens inside it.
+PACKING = Packing(128 * 1024, 2)
+PACE_S = 0.15  # (a): the trainer's pause after each bucket it sends
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with module_pool(tmp_path_factory, "vllm-staged-logs") as pool:
+        yield pool.start(tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def trainer(server):
+    """The trainer's model (transformers) and the version the engine serves."""
+    return {"model": load_model(tiny_model_dir()), "version": 0,
+            "gen": torch.Generator().manual_seed(3)}
+
+
+@pytest.fixture
+def engine(server):
+    engine = VLLMEngine(server.url, request_timeout_s=STEP_S, abort_grace_s=3.0)
+    yield engine
+    engine.close()
+    status = engine.status()
+    assert status.healthy and not status.paused, status
+
+
+# --- the trainer's side ------------------------------------------------------------------------
+
+
+def form_group(engine: VLLMEngine, plan: RefitPlan) -> Group:
+    """The engine joins as rank 1 of a world of 2 (its worker, through init_transfer), the
+    trainer as rank 0; returns the trainer's group."""
+    group_id = f"staged-{uuid.uuid4().hex[:8]}"
+    port, thread, box = join_trainer(2, group_id, timeout_s=STEP_S)
+    try:
+        engine.init_transfer(GroupSpec("127.0.0.1", port, 2, 1, "gloo", group_id), plan,
+                             Deadline(STEP_S))
+    finally:
+        thread.join(STEP_S)
+    assert "group" in box, box.get("error")
+    return box["group"]
+
+
+class Staging:
+    """`engine.stage` on a thread: the digest it returned or what it raised, the buckets it
+    reported, when it started and ended."""
+
+    def __init__(self, engine: VLLMEngine, plan: RefitPlan, deadline: Deadline):
+        self.buckets: list[Bucket] = []
+        self.digest: str | None = None
+        self.error: BaseException | None = None
+        self.started_at = time.monotonic()
+        self.ended_at: float | None = None
+
+        def run() -> None:
+            try:
+                self.digest = engine.stage(plan, deadline, self.buckets.append)
+            except BaseException as e:  # noqa: BLE001  (the test asserts on it)
+                self.error = e
+            finally:
+                self.ended_at = time.monotonic()
+
+        self.thread = threading.Thread(target=run, daemon=True, name="test-stage")
+        self.thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"stage still running after {timeout_s}s"
+
+
+def send(group: Group, plan: RefitPlan, tensors: dict,
+         on_bucket: Callable[[Bucket], None] | None = None) -> str:
+    """Broadcast `tensors` as the plan's buckets; returns the trainer's staged digest."""
+    checksums = StagedDigest(plan)
+    Sender(group, plan).send(tensors, Deadline(EPOCH_S), on_bucket, checksums=checksums)
+    return checksums.hexdigest()
+
+
+def flip(engine: VLLMEngine, version: int) -> float:
+    """The shim's Flip: pause (keep), load the staged copy, clear the cache, resume; returns the
+    stall in seconds."""
+    t0 = time.monotonic()
+    engine.pause(PauseMode.KEEP, Deadline(STEP_S))
+    engine.flip(version, Deadline(STEP_S))
+    assert engine.reset_cache(Deadline(STEP_S))
+    engine.resume(Deadline(STEP_S))
+    return time.monotonic() - t0
+
+
+def worker_statuses(url: str) -> list[StageStatus]:
+    """What every worker says of its staged receive (the route the adapter polls)."""
+    status, body = http_json("POST", url, "/collective_rpc", {
+        "method": "weight_transfer_engine", "kwargs": {"op": STAGE_OP_STATUS, "payload": "{}"}})
+    assert status == 200, body
+    return [StageStatus.from_wire(r) for r in body["results"]]
+
+
+def assert_serves(url: str, model, what: str) -> torch.Tensor:
+    """vLLM's teacher-forced log-probabilities equal transformers' on `model`'s weights."""
+    got = engine_logprobs(url)
+    gap = (got - hf_logprobs(model)).abs().max().item()
+    assert gap <= FP32_TOL, f"{what}: vLLM differs from transformers by {gap:.4f}"
+    return got
+
+
+def next_version(trainer: dict) -> tuple[int, dict]:
+    """One SGD step of the trainer; the version it makes and what it sends."""
+    sgd_step(trainer["model"], LR, trainer["gen"])
+    return trainer["version"] + 1, state_dict_to_send(trainer["model"], with_lm_head=True)
+
+
+def plan_of(tensors: dict) -> RefitPlan:
+    return RefitPlan.from_state_dict_info(info(tensors), PACKING)
+
+
+# --- streamed generation -----------------------------------------------------------------------
+
+
+class TokenStream:
+    """Streamed greedy completions back to back on a thread, each chunk's arrival time kept
+    (per request, so the gap between two requests is never counted)."""
+
+    def __init__(self, url: str, max_tokens: int = 200):
+        self.url, self.max_tokens = url, max_tokens
+        self.arrivals: list[list[float]] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="test-stream")
+
+    def __enter__(self) -> TokenStream:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self.thread.join(120)
+        assert not self.thread.is_alive(), "the streaming client did not stop"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            times: list[float] = []
+            self.arrivals.append(times)
+            try:
+                self._one(times)
+            except BaseException as e:  # noqa: BLE001  (asserted by the test)
+                self.errors.append(e)
+                return
+
+    def _one(self, times: list[float]) -> None:
+        parts = urllib.parse.urlsplit(self.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps({
+                "model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": self.max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True}).encode(),
+                headers={"Content-Type": "application/json", "Connection": "close"})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()
+            for line in resp:
+                if line.startswith(b"data: {"):
+                    times.append(time.monotonic())
+                if self._stop.is_set():
+                    return
+        finally:
+            conn.close()
+
+    def tokens_between(self, t0: float, t1: float) -> int:
+        return sum(t0 <= t <= t1 for times in self.arrivals for t in times)
+
+    def longest_gap(self, t0: float, t1: float) -> float:
+        """The longest time between two tokens of one request, both inside [t0, t1]."""
+        gaps = [b - a for times in self.arrivals for a, b in zip(times, times[1:])
+                if t0 <= a and b <= t1]
+        return max(gaps, default=float("nan"))
+
+    def wait_tokens(self, n: int, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while sum(len(t) for t in self.arrivals) < n:
+            assert not self.errors, self.errors
+            assert time.monotonic() < end, f"fewer than {n} streamed tokens in {timeout_s}s"
+            time.sleep(0.05)
+
+
+# --- the tests ---------------------------------------------------------------------------------
+
+
+def test_tokens_keep_streaming_while_a_staged_epoch_lands_and_the_flip_serves_it(
+        server, engine, trainer):
+    """(a) and the first version of (b)."""
+    model = trainer["model"]
+    assert_serves(server.url, model, "the checkpoint")
+    version, tensors = next_version(trainer)
+    plan = plan_of(tensors)
+    group = form_group(engine, plan)
+    assert engine.supports_staging
+    paused_seen: list[bool] = []
+    try:
+        with TokenStream(server.url) as stream:
+            stream.wait_tokens(40, 60)
+            t_steady = time.monotonic()
+            time.sleep(1.0)
+            staging = Staging(engine, plan, Deadline(EPOCH_S))
+
+            def paced(bucket: Bucket) -> None:
+                # The engine says it is not paused, and vLLM itself agrees, while bytes land.
+                paused_seen.append(engine.status().paused)
+                paused_seen.append(http_json("GET", server.url, "/is_paused")[1]["is_paused"])
+                time.sleep(PACE_S)
+
+            sent = send(group, plan, tensors, paced)
+            staging.join(EPOCH_S)
+            t0, t1 = staging.started_at, staging.ended_at
+            assert t1 is not None
+            time.sleep(0.5)
+        assert not stream.errors, stream.errors
+    finally:
+        group.close()
+    assert staging.error is None, staging.error
+    assert staging.digest == sent, "the engine staged other bytes than the trainer sent"
+    assert staging.buckets == list(plan.buckets)
+    assert paused_seen and not any(paused_seen), paused_seen
+    during = stream.tokens_between(t0, t1)
+    gap_during, gap_steady = stream.longest_gap(t0, t1), stream.longest_gap(t_steady, t0)
+    print(f"\nstaged {plan.total_bytes} bytes in {len(plan.buckets)} buckets over "
+          f"{t1 - t0:.2f}s (trainer paced {PACE_S}s a bucket): {during} tokens streamed "
+          f"meanwhile; longest gap between tokens {gap_during * 1e3:.0f} ms while staging, "
+          f"{gap_steady * 1e3:.0f} ms steady")
+    assert during > 0, "no token arrived while the staged epoch landed"
+    (w,) = worker_statuses(server.url)
+    assert (w.state, w.landed, w.total, w.digest) == ("staged", len(plan.buckets),
+                                                      len(plan.buckets), sent)
+    assert w.staging_bytes == plan.total_bytes == engine.staging_bytes
+
+    # Staged, not flipped: the engine still computes the old version.
+    before = assert_serves(server.url, load_model(tiny_model_dir()), "staged, not flipped")
+    stall = flip(engine, version)
+    trainer["version"] = version
+    after = assert_serves(server.url, model, f"v{version} after the flip")
+    moved = (after - before).abs().max().item()
+    print(f"v{version}: flip stall {stall * 1e3:.0f} ms, log-probabilities moved {moved:.3f}")
+    assert moved >= MIN_MOVE
+    assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(version)}
+    assert worker_statuses(server.url)[0].state == "idle"  # the flip consumed the copy
+
+
+def test_every_flip_serves_the_trainers_log_probabilities(server, engine, trainer):
+    """(b) Two more versions, each staged (unpaced), checked, then flipped: vLLM's
+    teacher-forced log-probabilities equal transformers' on the new weights."""
+    assert trainer["version"] >= 1, "runs after (a)"
+    for _ in range(2):
+        before = engine_logprobs(server.url)
+        version, tensors = next_version(trainer)
+        plan = plan_of(tensors)
+        group = form_group(engine, plan)
+        try:
+            staging = Staging(engine, plan, Deadline(EPOCH_S))
+            sent = send(group, plan, tensors)
+            staging.join(EPOCH_S)
+        finally:
+            group.close()
+        assert staging.error is None and staging.digest == sent, staging.error
+        assert (engine_logprobs(server.url) - before).abs().max().item() == 0.0, \
+            "staging changed what the engine computes"
+        stall = flip(engine, version)
+        trainer["version"] = version
+        after = assert_serves(server.url, trainer["model"], f"v{version} after the flip")
+        moved = (after - before).abs().max().item()
+        print(f"v{version}: staged in {staging.ended_at - staging.started_at:.3f}s, flip stall "
+              f"{stall * 1e3:.0f} ms, moved {moved:.3f}")
+        assert moved >= MIN_MOVE
+        assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(version)}
+
+
+@pytest.mark.parametrize("how", ["drop", "abort"])
+def test_a_staged_epoch_ended_midway_leaves_the_old_weights_serving(server, engine, trainer, how):
+    """(c) The trainer sends 3 buckets and stalls (group open). `drop`: the shim drops the
+    staged copy (a Flip that will not come); `abort`: the shim's failure path
+    (abort_transfer, then drop_staged). The stage fails promptly, nothing is staged, the
+    engine was never paused and computes the old version; the next staged epoch commits."""
+    assert trainer["version"] >= 1, "runs after (a)"
+    model = trainer["model"]
+    old = assert_serves(server.url, model, "before")
+    gen = torch.Generator().manual_seed(100 + trainer["version"])
+    tensors = {n: t + 0.05 * torch.randn(t.shape, generator=gen)  # never to be served
+               for n, t in state_dict_to_send(model, with_lm_head=True).items()}
+    plan = plan_of(tensors)
+    group = form_group(engine, plan)
+    stalled = threading.Event()
+    release = threading.Event()
+    try:
+        staging = Staging(engine, plan, Deadline(EPOCH_S))
+
+        def stall_after_three(bucket: Bucket) -> None:
+            if bucket.index == 2:
+                stalled.set()
+                release.wait(EPOCH_S)
+                raise RuntimeError("the trainer gives up")  # the sender stops here
+
+        sender = threading.Thread(target=_send_quietly,
+                                  args=(group, plan, tensors, stall_after_three), daemon=True)
+        sender.start()
+        assert stalled.wait(STEP_S)
+        _wait_landed(server.url, 1, STEP_S)
+        assert staging.thread.is_alive(), staging.error
+        t0 = time.monotonic()
+        if how == "abort":
+            engine.abort_transfer()
+        engine.drop_staged()
+        took = time.monotonic() - t0
+        staging.join(10.0)
+        ended = staging.ended_at - t0
+        assert not engine.status().paused
+    finally:
+        release.set()
+        group.close()
+    assert took < 1.0, f"{how} blocked {took:.2f}s"
+    assert isinstance(staging.error, RefitError), staging.error
+    print(f"\n{how}: answered in {took * 1e3:.0f} ms, the stage failed {ended:.2f}s later "
+          f"after {len(staging.buckets)} buckets: {type(staging.error).__name__}: "
+          f"{staging.error}")
+    # Nothing is staged anywhere: the flip is refused before it touches anything.
+    with pytest.raises(RefitError) as refused:
+        engine.flip(trainer["version"] + 1, Deadline(STEP_S))
+    assert refused.value.reason == Reason.NOT_STAGED
+    _wait_state(server.url, ("idle", "failed"), STEP_S)
+    status = http_json("GET", server.url, "/is_paused")[1]
+    assert status == {"is_paused": False}, status
+    still = assert_serves(server.url, model, "after the drop")
+    assert (still - old).abs().max().item() == 0.0
+    assert http_json("GET", server.url, "/weight_info")[1] == \
+        {"weight_version": str(trainer["version"])}
+
+    # Recovered: a new group, a whole staged epoch, a flip.
+    version, tensors = next_version(trainer)
+    group = form_group(engine, plan)
+    try:
+        staging = Staging(engine, plan, Deadline(EPOCH_S))
+        sent = send(group, plan, tensors)
+        staging.join(EPOCH_S)
+    finally:
+        group.close()
+    assert staging.error is None and staging.digest == sent, staging.error
+    flip(engine, version)
+    trainer["version"] = version
+    assert_serves(server.url, model, f"v{version} after the recovery")
+
+
+# --- helpers of (c) ----------------------------------------------------------------------------
+
+
+def _send_quietly(group: Group, plan: RefitPlan, tensors: dict,
+                  on_bucket: Callable[[Bucket], None]) -> None:
+    try:
+        send(group, plan, tensors, on_bucket)
+    except (RefitError, RuntimeError):
+        pass  # the trainer gave up, or its group was torn down under it
+
+
+def _wait_landed(url: str, buckets: int, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while worker_statuses(url)[0].landed < buckets:
+        assert time.monotonic() < end, f"fewer than {buckets} buckets landed in {timeout_s}s"
+        time.sleep(0.05)
+
+
+def _wait_state(url: str, states: tuple[str, ...], timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while (state := worker_statuses(url)[0].state) not in states:
+        assert time.monotonic() < end, f"worker state {state}, not {states}"
+        time.sleep(0.05)
+
+
+
+# --- what crosses the routes, without a server -------------------------------------------------
+
+
+def test_the_staged_wire_round_trips_and_refuses_what_a_worker_could_not_use():
+    from refit_grpc.wire.vllm import (
+        STAGE_RPC_METHOD,
+        GlooUpdateInfo,
+        flip_info_for,
+        stage_rpc_body,
+        update_info_for,
+    )
+
+    plan = RefitPlan.from_state_dict_info({"w": ((4, 4), torch.float32)}, Packing(64, 2))
+    body = stage_rpc_body("stage", update_info_for(plan, "gloo", 5.0), timeout_s=2.0)
+    # vLLM's /collective_rpc takes string arguments only.
+    assert body["method"] == STAGE_RPC_METHOD and body["timeout"] == 2.0
+    assert all(isinstance(v, str) for v in body["kwargs"].values())
+    assert GlooUpdateInfo(**json.loads(body["kwargs"]["payload"])).plan(plan.packing) == plan
+    with pytest.raises(ValueError, match="unknown"):
+        stage_rpc_body("load")
+    flip_info = GlooUpdateInfo(**flip_info_for(plan, 5.0, "ab" * 32))
+    assert (flip_info.source, flip_info.staged_digest, flip_info.abort_key) == \
+        ("staged", "ab" * 32, None)
+    with pytest.raises(ValueError, match="staged_digest"):
+        GlooUpdateInfo(names=[], dtype_names=[], shapes=[], source="staged")
+    with pytest.raises(ValueError, match="source"):
+        GlooUpdateInfo(names=[], dtype_names=[], shapes=[], source="disk")
+    status = StageStatus(rank=1, state="staged", landed=3, total=3, digest="d", staging_bytes=64)
+    assert StageStatus.from_wire(status.to_wire()) == status
+    assert StageStatus.from_wire({**status.to_wire(), "newer_field": 1}) == status
+    with pytest.raises(ValueError):
+        StageStatus.from_wire({**status.to_wire(), "state": "flipping"})
