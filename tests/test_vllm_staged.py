@@ -12,7 +12,9 @@ real gloo group with `Sender`, which also computes the trainer's staged digest:
 (b) after each flip, over the versions of (a) and (b), vLLM's teacher-forced `prompt_logprobs`
     equal transformers' on the new weights, and vLLM's weight version is the flipped one;
 (c) a staged receive dropped or aborted midway ends promptly, nothing is staged, the engine was
-    never paused and still serves the old version, and the next staged epoch goes through.
+    never paused and still serves the old version, and the next staged epoch goes through;
+(d) the same engine behind a real shim process: a staged UpdateWeights ends at STAGED, the
+    Flip runs the epoch's canary and serves the new version.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import urllib.parse
 import uuid
 from collections.abc import Callable
 
+import grpc
 import pytest
 import torch
 
@@ -37,13 +40,18 @@ require_vllm()
 # The module's vLLM server starts with the first test (about a minute here).
 pytestmark = pytest.mark.timeout(600)
 
+from refit_grpc import Fleet, WorkerEndpoint  # noqa: E402
 from refit_grpc.collective import Group, Sender  # noqa: E402
 from refit_grpc.common import Deadline, GroupSpec, PauseMode  # noqa: E402
 from refit_grpc.errors import RefitError  # noqa: E402
+from refit_grpc.integrations.hf import canary_from_model  # noqa: E402
 from refit_grpc.plan import Bucket, Packing, RefitPlan  # noqa: E402
+from refit_grpc.proto import pb, pb_grpc  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
 from refit_grpc.shim.engines.vllm import VLLMEngine  # noqa: E402
+from refit_grpc.shim.process import spawn_shim  # noqa: E402
 from refit_grpc.staging import StagedDigest  # noqa: E402
+from refit_grpc.testing.logprobs import SEQUENCE  # noqa: E402
 from refit_grpc.testing.vllm import PROMPT, SERVED_MODEL, http_json  # noqa: E402
 from refit_grpc.wire.vllm import STAGE_OP_STATUS, StageStatus  # noqa: E402
 
@@ -407,6 +415,64 @@ def test_a_staged_epoch_ended_midway_leaves_the_old_weights_serving(server, engi
     flip(engine, version)
     trainer["version"] = version
     assert_serves(server.url, model, f"v{version} after the recovery")
+
+
+def test_a_staged_epoch_through_a_real_shim_ends_staged_then_flips_with_its_canary(
+        server, trainer):
+    """(d) The same through a real `refit-grpc shim --engine vllm` process in front of the
+    module's server: the staged UpdateWeights stream ends at STAGED with the trainer's staged
+    digest, Describe says STAGED and not paused (the staging copy's bytes counted), and the Flip
+    loads, runs the epoch's canary inside its pause, resumes, and serves the new version."""
+    assert trainer["version"] >= 1, "runs after (a)"
+    shim = spawn_shim("--engine", "vllm", "--engine-url", server.url, "--instance-id",
+                      "staged-0", "--buffer-size-bytes", str(PACKING.buffer_size_bytes),
+                      "--num-buffers", str(PACKING.num_buffers), "--max-epoch-s", str(EPOCH_S))
+    fleet = Fleet([WorkerEndpoint(shim.instance_id, shim.address)], control_timeout_s=STEP_S,
+                  join_timeout_s=EPOCH_S, epoch_timeout_s=EPOCH_S)
+    channel = grpc.insecure_channel(shim.address)
+    link = None
+    try:
+        version, tensors = next_version(trainer)
+        canary = canary_from_model(trainer["model"], SEQUENCE, FP32_TOL)
+        plan = fleet.prepare(info(tensors))
+        link = fleet.connect("127.0.0.1")
+        stub = pb_grpc.RefitServiceStub(channel)
+        stream = stub.UpdateWeights(pb.UpdateWeightsRequest(
+            version=version, plan_digest=plan.digest, group_id=fleet.group_id,
+            instance_id=shim.instance_id, mode=pb.EPOCH_MODE_STAGED,
+            canary=canary.to_proto()), timeout=EPOCH_S)
+        first = next(stream)
+        assert first.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED, first
+        assert not fleet.describe()[0].paused
+        checksums = StagedDigest(plan)
+        link.sender.send(tensors, Deadline(EPOCH_S), checksums=checksums)
+        rest = list(stream)
+        sent = checksums.hexdigest()
+        assert rest[-1].phase == pb.UPDATE_WEIGHTS_PHASE_STAGED, rest
+        assert rest[-1].staged_digest == sent
+        assert pb.UPDATE_WEIGHTS_PHASE_COMMITTED not in [m.phase for m in rest]
+        (d,) = fleet.describe()
+        assert (d.state, d.paused, d.staged_version, d.staged_digest) == \
+            (pb.SHIM_STATE_STAGED, False, version, sent), d
+        assert d.staging_bytes == plan.total_bytes
+        assert d.weight_version != version
+
+        done = stub.Flip(pb.FlipRequest(version=version, staged_digest=sent,
+                                        instance_id=shim.instance_id), timeout=EPOCH_S)
+        assert (done.version, done.resumed) == (version, True), done
+        assert 0 <= done.canary.max_abs_gap <= FP32_TOL, done.canary
+        print(f"\nthrough the shim: flip stall {done.stall_seconds * 1e3:.0f} ms (load "
+              f"{done.load_seconds * 1e3:.0f} ms), canary gap {done.canary.max_abs_gap:.1e}")
+        trainer["version"] = version
+        (d,) = fleet.describe()
+        assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, version), d
+        assert_serves(server.url, trainer["model"], f"v{version} flipped through the shim")
+    finally:
+        channel.close()
+        if link is not None:
+            link.close()
+        fleet.close()
+        assert shim.stop() is not None
 
 
 # --- helpers of (c) ----------------------------------------------------------------------------
