@@ -281,3 +281,104 @@ def test_a_shim_whose_engine_is_gone_reports_not_serving_and_unavailable():
             assert time.monotonic() - t0 < 3
     finally:
         shim.stop()
+
+
+# --- staged epochs: the stage's polling and what it makes of the workers' answers -------------
+
+
+def _workers(*statuses: dict) -> tuple[int, dict]:
+    """/collective_rpc's answer: one result per worker."""
+    return 200, {"results": list(statuses)}
+
+
+def _w(rank: int, state: str, landed: int, digest: str = "", **extra) -> dict:
+    return {"rank": rank, "state": state, "landed": landed, "total": 3, "digest": digest,
+            "staging_bytes": 96, **extra}
+
+
+STAGED_PLAN = RefitPlan(tuple(TensorSpec(f"model.layers.{i}.w", (8,), torch.float32)
+                              for i in range(3)), Packing(16, 2))
+
+
+def test_a_stage_reports_buckets_as_every_worker_lands_them_and_flips_from_the_copy(scripted):
+    """Two workers (TP=2): a bucket is reported once both landed it, the digest once both
+    staged the same; the flip is a weight-update session naming the staged copy, no abort key."""
+    engine = VLLMEngine(scripted.url)
+    assert engine.supports_staging
+    scripted.answers["/collective_rpc"] = [
+        _workers(_w(1, "receiving", 0), _w(2, "receiving", 0)),
+        _workers(_w(1, "receiving", 2), _w(2, "receiving", 1)),
+        _workers(_w(1, "staged", 3, "d" * 64), _w(2, "staged", 3, "d" * 64))]
+    buckets = []
+    assert engine.stage(STAGED_PLAN, Deadline(10), buckets.append) == "d" * 64
+    assert buckets == list(STAGED_PLAN.buckets)
+    assert engine.staging_bytes == 2 * 96
+    start = scripted.requests[0][1]
+    assert start["method"] == "weight_transfer_engine" and start["kwargs"]["op"] == "stage"
+    assert json.loads(start["kwargs"]["payload"])["plan_digest"] == STAGED_PLAN.digest
+    assert [b["kwargs"]["op"] for _, b in scripted.requests[1:]] == ["stage_status"] * 2
+    assert not engine.partial_on_failure and not engine.is_paused()
+
+    scripted.requests.clear()
+    engine.flip(5, Deadline(10))
+    assert scripted.paths() == ["/start_weight_update", "/update_weights",
+                                "/finish_weight_update"]
+    update = scripted.requests[1][1]["update_info"]
+    assert (update["source"], update["staged_digest"]) == ("staged", "d" * 64)
+    assert "abort_key" not in update
+    assert scripted.requests[2][1] == {"weight_version": "5"}
+    with pytest.raises(FailedPreconditionError) as e:  # consumed: nothing staged any more
+        engine.flip(6, Deadline(10))
+    assert e.value.reason == "NOT_STAGED"
+
+
+@pytest.mark.parametrize("answers, error, reason", [
+    ([_workers(_w(1, "staged", 3, "a" * 64), _w(2, "staged", 3, "b" * 64))],
+     CollectiveError, "RECEIVE_FAILED"),
+    ([_workers(_w(1, "receiving", 1), _w(2, "failed", 1, error="CollectiveError: receive of "
+                                         "bucket 1/3: peer failed", reason="COLLECTIVE_FAILED"))],
+     CollectiveError, "COLLECTIVE_FAILED"),
+    ([_workers(_w(1, "failed", 0, error="RefitTimeoutError: receive of bucket 0/3: deadline "
+                                        "exceeded", reason="DEADLINE_EXCEEDED"))],
+     RefitTimeoutError, "DEADLINE_EXCEEDED"),
+    ([(500, {"error": {"message": "Worker failed with error ''NCCLWeightTransferEngine' object "
+                                  "is not callable'"}})],
+     FailedPreconditionError, "STAGING_UNSUPPORTED"),
+])
+def test_a_stage_that_fails_anywhere_fails_typed_and_stages_nothing(scripted, answers, error,
+                                                                     reason):
+    engine = VLLMEngine(scripted.url)
+    scripted.answers["/collective_rpc"] = answers
+    with pytest.raises(error) as e:
+        engine.stage(STAGED_PLAN, Deadline(10), lambda b: None)
+    assert e.value.reason == reason, e.value
+    with pytest.raises(FailedPreconditionError) as refused:
+        engine.flip(1, Deadline(5))
+    assert refused.value.reason == "NOT_STAGED"
+    assert not engine.partial_on_failure
+
+
+def test_drop_staged_and_abort_never_block_and_end_the_poll(scripted):
+    """A stage polling a receive that never completes: abort_transfer ends it at its next poll;
+    drop_staged returns at once even when the engine does not answer it."""
+    engine = VLLMEngine(scripted.url, request_timeout_s=2.0)
+    scripted.answers["/collective_rpc"] = [_workers(_w(1, "receiving", 0))]
+    failed: list[BaseException] = []
+
+    def stage() -> None:
+        try:
+            engine.stage(STAGED_PLAN, Deadline(30), lambda b: None)
+        except BaseException as e:  # noqa: BLE001  (asserted below)
+            failed.append(e)
+
+    t = threading.Thread(target=stage, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    engine.abort_transfer()
+    scripted.held.add("/collective_rpc")  # the drop's call is never answered
+    engine.drop_staged()
+    assert time.monotonic() - t0 < 0.2
+    t.join(5)
+    assert not t.is_alive() and isinstance(failed[0], EpochAbortedError), failed
+    assert "/shutdown_weight_transfer_engine" in scripted.paths()

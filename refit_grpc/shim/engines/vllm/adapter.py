@@ -351,11 +351,14 @@ class VLLMEngine(HttpEngine):
                 with self._lock:
                     self._staged = (plan, digest)
                 return digest
-            if any(s.state == STAGE_IDLE for s in statuses) or gen != self._http.generation:
-                raise EpochAbortedError("stage: dropped or aborted while receiving",
+            if any(s.state == STAGE_IDLE for s in statuses):
+                raise EpochAbortedError("stage: dropped while receiving",
                                         reason=Reason.EPOCH_ABORTED)
             deadline.cancel.wait(min(STAGE_POLL_S, max(deadline.remaining(), 0.0)))
             deadline.check("stage")
+            if gen != self._http.generation:  # abort_transfer: the workers' group is closing
+                raise EpochAbortedError("stage: aborted while receiving",
+                                        reason=Reason.EPOCH_ABORTED)
             statuses = self._stage_rpc(STAGE_OP_STATUS, deadline)
 
     def flip(self, version: int, deadline: Deadline) -> str:
