@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from refit_grpc.canary import Canary as Canary
     from refit_grpc.common import Deadline as Deadline
+    from refit_grpc.common import EpochMode as EpochMode
     from refit_grpc.common import PauseMode as PauseMode
     from refit_grpc.driver import ChannelSecurity as ChannelSecurity
     from refit_grpc.driver import EpochHandle as EpochHandle
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from refit_grpc.driver.failures import FleetError as FleetError
     from refit_grpc.driver.failures import FleetTimeoutError as FleetTimeoutError
     from refit_grpc.driver.failures import MembershipRefusedError as MembershipRefusedError
+    from refit_grpc.driver.failures import QuorumError as QuorumError
     from refit_grpc.driver.failures import WeightsMismatchError as WeightsMismatchError
     from refit_grpc.driver.failures import WorkerFailure as WorkerFailure
     from refit_grpc.errors import MembershipChangedError as MembershipChangedError

@@ -30,6 +30,13 @@ class PauseMode(enum.Enum):
     ABORT = "abort"  # in-flight requests are aborted
 
 
+class EpochMode(enum.Enum):
+    """Where an epoch's bytes land (docs/protocol.md, "Staged epochs")."""
+
+    IN_PLACE = "in_place"  # pause, receive into the live weights, resume: no extra memory
+    STAGED = "staged"      # serve on while the bytes land in a host copy; switch at the flip
+
+
 class Deadline:
     """An absolute monotonic deadline plus a cancel flag, handed down every blocking call."""
 

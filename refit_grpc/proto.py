@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from refit_grpc.common import PauseMode
+from refit_grpc.common import EpochMode, PauseMode
 from refit_grpc.v1 import reference_engine_pb2 as ref_pb  # noqa: F401
 from refit_grpc.v1 import reference_engine_pb2_grpc as ref_pb_grpc  # noqa: F401
 from refit_grpc.v1 import refit_pb2 as pb
@@ -37,3 +37,7 @@ PAUSE_MODE_TO_PROTO: dict[PauseMode, pb.PauseMode] = {
     PauseMode.ABORT: pb.PAUSE_MODE_ABORT,
 }
 PAUSE_MODE_FROM_PROTO: dict[int, PauseMode] = {v: k for k, v in PAUSE_MODE_TO_PROTO.items()}
+EPOCH_MODE_TO_PROTO: dict[EpochMode, pb.EpochMode] = {
+    EpochMode.IN_PLACE: pb.EPOCH_MODE_IN_PLACE,
+    EpochMode.STAGED: pb.EPOCH_MODE_STAGED,
+}

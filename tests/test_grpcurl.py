@@ -133,6 +133,7 @@ def test_every_readme_grpcurl_line_is_run_here():
                readme_line("RefitService/Describe", "-plaintext"),
                readme_line("RefitService/Prepare"), readme_line("RefitService/Flush"),
                readme_line("RefitService/UpdateWeights"), readme_line("RefitService/Abort"),
+               readme_line("RefitService/Flip"),
                readme_line("Health/Check"), readme_line("-cacert", "RefitService/Describe")]
     assert sorted(covered) == sorted(readme_grpcurl_lines())
 
@@ -183,6 +184,13 @@ def test_streaming_update_weights_refused_in_the_wrong_state(plain):
     assert out.returncode == EXIT_FAILED_PRECONDITION, text
     assert "Code: FailedPrecondition" in text and error_info_reason(text) == "WRONG_STATE", text
     assert "SHIM_STATE_EMPTY" in text
+
+
+def test_flip_with_nothing_staged_is_refused_with_its_reason(plain):
+    out = run(readme_line("RefitService/Flip"), plain.address)
+    text = out.stdout + out.stderr
+    assert out.returncode == EXIT_FAILED_PRECONDITION, text
+    assert error_info_reason(text) == "NOT_STAGED", text
 
 
 def test_abort(plain):

@@ -101,6 +101,9 @@ class StatusRow:
     # |engine - trainer| (None: it carried no expectation).
     canary_version: int | None = None
     canary_gap: float | None = None
+    # A staged version waiting for its flip (None: none), and the last flip's stall.
+    staged_version: int | None = None
+    last_stall_s: float | None = None
 
 
 @dataclass
@@ -135,7 +138,8 @@ def status_rows(fleet) -> list[StatusRow]:
             shim_instance_id=d.instance_id, last_error=d.last_error,
             canary_version=d.last_canary_version or None,
             canary_gap=d.last_canary_gap if d.last_canary_version and d.last_canary_gap >= 0
-            else None))
+            else None, staged_version=d.staged_version or None,
+            last_stall_s=d.last_stall_seconds or None))
     return rows
 
 
@@ -196,12 +200,18 @@ def render_status(rows: list[StatusRow]) -> str:
         gap = "?" if r.canary_gap is None else f"{r.canary_gap:.1e}"
         return f"{gap}@v{r.canary_version}"
 
+    def version(r: StatusRow) -> str:
+        if r.version is None:
+            return "-"
+        return str(r.version) + (f" (staged {r.staged_version})" if r.staged_version else "")
+
     table = format_table(
         ["INSTANCE", "ADDRESS", "STATE", "VERSION", "PLAN", "GROUP", "HEALTHY", "CANARY",
-         "LAST ERROR"],
-        [[r.instance, r.address, r.state, "-" if r.version is None else str(r.version),
-          r.plan_digest[:DIGEST_PREFIX] or "-", r.group or "-", yes_no(r.engine_healthy),
-          canary(r), _short(r.error or r.last_error) or "-"] for r in rows])
+         "STALL", "LAST ERROR"],
+        [[r.instance, r.address, r.state, version(r), r.plan_digest[:DIGEST_PREFIX] or "-",
+          r.group or "-", yes_no(r.engine_healthy), canary(r),
+          "-" if r.last_stall_s is None else f"{r.last_stall_s * 1e3:.0f}ms",
+          _short(r.error or r.last_error) or "-"] for r in rows])
     return table + "\n" + _summary(rows)
 
 

@@ -9,6 +9,7 @@ from refit_grpc.driver.failures import (
     FleetError,
     FleetTimeoutError,
     MembershipRefusedError,
+    QuorumError,
     WeightsMismatchError,
     WorkerFailure,
 )
@@ -17,5 +18,5 @@ from refit_grpc.driver.links import GlooLink, TrainerLink
 
 __all__ = ["ChannelSecurity", "EpochFailedError", "EpochHandle", "EpochRefusedError",
            "EpochReport", "Fleet", "FleetError", "FleetTimeoutError", "GlooLink",
-           "MembershipRefusedError", "WeightsMismatchError",
+           "MembershipRefusedError", "QuorumError", "WeightsMismatchError",
            "ProgressCallback", "TrainerLink", "WorkerEndpoint", "WorkerFailure", "WorkerReport"]

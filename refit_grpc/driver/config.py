@@ -30,6 +30,9 @@ class FleetConfig:
         retry_attempts: attempts of an idempotent call that fails UNAVAILABLE (with backoff).
         abort_timeout_s: how long Abort waits for each shim (an epoch's teardown waits this).
         security: TLS, tokens and keepalive of every channel.
+        flip_timeout_s: a staged epoch: how long each engine keeps its staged copy waiting for
+            the flip before it drops it and serves on (what a trainer that dies between STAGED
+            and the flip costs).
 
     Raises:
         InvalidArgumentError: a value out of range (reason INVALID_WORLD_SIZE, INVALID_BACKEND
@@ -45,6 +48,7 @@ class FleetConfig:
     retry_attempts: int = 8
     abort_timeout_s: float = 1.0
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
+    flip_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.engine_world_size < 1:
@@ -55,7 +59,7 @@ class FleetConfig:
             raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got "
                                        f"{self.backend!r}", reason=Reason.INVALID_BACKEND)
         for name in ("control_timeout_s", "join_timeout_s", "epoch_timeout_s",
-                     "abort_timeout_s"):
+                     "abort_timeout_s", "flip_timeout_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value}",

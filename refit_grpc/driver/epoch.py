@@ -1,5 +1,6 @@
 """One UpdateWeights epoch as the trainer sees it: a stream per worker, consumed on threads the
-fleet keeps, and the two waits of the two-phase start (every ACCEPTED, then every COMMITTED)."""
+fleet keeps, and the two waits of the two-phase start (every ACCEPTED, then every COMMITTED, or
+for a staged epoch every STAGED: `settle()`)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from refit_grpc.reasons import Reason
 
 # (instance_id, bucket_index, bucket_count), called on the stream's thread after each bucket.
 ProgressCallback = Callable[[str, int, int], None]
-# Aborts every worker of the fleet; returns one answer per worker, None where none came.
-AbortFleet = Callable[[str], Sequence[object | None]]
+# Aborts the given workers; returns one answer per worker, None where none came.
+AbortFleet = Callable[[str, Sequence["WorkerLink"]], Sequence[object | None]]
 
 # How long an epoch waits for streams to settle after it aborted the fleet: every failure that
 # arrives by then is collected, so the worker that caused the others is named even when a
@@ -55,6 +56,7 @@ class StreamPhase(enum.Enum):
     OPEN = "open"
     ACCEPTED = "accepted"
     COMMITTED = "committed"
+    STAGED = "staged"  # a staged epoch's stream ends here
     FAILED = "failed"
 
 
@@ -79,6 +81,9 @@ class EpochHandle:
         self.deadline_at = self.started_at + timeout_s
         self._workers = list(workers)
         self._abort_fleet = abort_fleet
+        # A staged epoch's abort spares the workers that already STAGED: their copies wait for
+        # the flip (or the trainer drops them), and only unfinished receives need tearing down.
+        self.staged = bool(requests) and requests[0].mode == pb.EPOCH_MODE_STAGED
         self._on_progress = on_progress
         n = len(self._workers)
         self._phase = [StreamPhase.OPEN] * n
@@ -215,7 +220,8 @@ class EpochHandle:
         raise cls(f"epoch {self.version} failed", root_causes_first(failures))
 
     def abort(self, reason: str) -> None:
-        """Abort the fleet once for this epoch (every later call is a no-op).
+        """Abort the epoch's workers once (every later call is a no-op): all of them, or in a
+        staged epoch those that have not STAGED.
 
         Args:
             reason: recorded by every shim.
@@ -224,11 +230,55 @@ class EpochHandle:
             if self._aborted:
                 return
             self._aborted = True
-        answers = self._abort_fleet(reason)
+            targets = [i for i, p in enumerate(self._phase)
+                       if not (self.staged and p is StreamPhase.STAGED)]
+        answers = self._abort_fleet(reason, [self._workers[i] for i in targets])
         # A shim that cannot even answer Abort (frozen, partitioned, dead) is the likeliest
         # cause when every stream merely timed out: it is named first.
         with self._changed:
-            self._unresponsive = {i for i, a in enumerate(answers) if a is None}
+            self._unresponsive = {i for i, a in zip(targets, answers) if a is None}
+
+    def settle(self, timeout_s: float | None = None
+               ) -> tuple[list[pb.UpdateWeightsResponse | None], list[WorkerFailure]]:
+        """Wait for every stream to end, for a staged epoch: it never raises, so the driver
+        can flip the engines that STAGED when enough did.
+
+        The first failure aborts the workers that have not STAGED (their receives would wait
+        on the broken group) and the streams settle (bounded by _SETTLE_AFTER_FAILURE_S).
+
+        Args:
+            timeout_s: the most to wait; by default the epoch's deadline (plus 2 s).
+
+        Returns:
+            Each worker's last message (STAGED, or None where its stream failed or never
+            ended), in fleet order; and the failures, root causes first, a worker with no
+            STAGED in time named COMMIT_TIMEOUT.
+        """
+        end = min(self.deadline_at + 2.0, time.monotonic() + (timeout_s or float("inf")))
+        with self._changed:
+            while not all(ev.is_set() for ev in self._done):
+                if any(f is not None for f in self._failures):
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(min(left, 0.5))
+            clean = all(ev.is_set() for ev in self._done) and not any(self._failures)
+        if not clean:
+            self.abort(f"epoch {self.version} failed")
+            self._settle(_SETTLE_AFTER_FAILURE_S)
+            self.cancel()
+        failures = [f for _, f in self._failures_so_far()]
+        failed_ids = {f.instance_id for f in failures}
+        with self._changed:
+            finals = [m if ev.is_set() and self._failures[i] is None else None
+                      for i, (m, ev) in enumerate(zip(self._committed, self._done))]
+        failures += [WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
+                                   grpc.StatusCode.DEADLINE_EXCEEDED, Reason.COMMIT_TIMEOUT,
+                                   "no STAGED within the deadline")
+                     for w, m in zip(self._workers, finals)
+                     if m is None and w.endpoint.instance_id not in failed_ids]
+        return finals, root_causes_first(failures)
 
     def cancel(self) -> None:
         """Cancel every stream still open (the shims see their caller go away)."""
@@ -275,11 +325,15 @@ class EpochHandle:
                     elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_COMMITTED:
                         self._committed[i] = msg
                         self._phase[i] = StreamPhase.COMMITTED
+                    elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_STAGED:
+                        self._committed[i] = msg
+                        self._phase[i] = StreamPhase.STAGED
                     self._changed.notify_all()
                 if self._on_progress and msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
                     self._on_progress(w.endpoint.instance_id, msg.bucket_index, msg.bucket_count)
             if self._committed[i] is None:
-                raise RuntimeError("stream ended without COMMITTED")
+                raise RuntimeError("stream ended without COMMITTED"
+                                   + (" or STAGED" if self.staged else ""))
         except grpc.RpcError as e:
             failure = failure_from_rpc(w.endpoint, e)
         except Exception as e:  # noqa: BLE001  (reported as a failure of this worker)

@@ -122,6 +122,25 @@ class CanaryMismatchError(FleetError):
         self.gaps = dict(gaps)
 
 
+class QuorumError(FleetError):
+    """A staged epoch could not reach `min_engines`: too few engines staged the new version
+    (nothing flipped: every engine serves the previous one, never paused), or too few flipped.
+
+    Args:
+        message: what failed.
+        failures: the engines left behind and why, root causes first.
+        staged: the engines that did stage (or flip) it; kept as `staged`.
+        reason: by default QUORUM_NOT_MET.
+    """
+
+    default_reason = Reason.QUORUM_NOT_MET
+
+    def __init__(self, message: str, failures: Sequence[WorkerFailure], *,
+                 staged: Sequence[str], reason: str | None = None):
+        super().__init__(message, list(failures), reason=reason)
+        self.staged = list(staged)
+
+
 class FleetTimeoutError(FleetError, TimeoutError):
     """Workers stayed silent past a deadline (no ACCEPTED, no COMMITTED); `failures` names them.
     Also a built-in `TimeoutError`."""

@@ -34,8 +34,8 @@ import torch
 from torch.distributed import TCPStore
 
 from refit_grpc.canary import Canary
-from refit_grpc.collective import Group, bind_master_store
-from refit_grpc.common import GroupSpec, PauseMode
+from refit_grpc.collective import Group, bind_master_store, pack_into
+from refit_grpc.common import EpochMode, GroupSpec, PauseMode
 from refit_grpc.driver.config import FleetConfig, FleetState, FleetStateError, refuse_unless
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback, WorkerLink
@@ -44,18 +44,32 @@ from refit_grpc.driver.failures import (
     EpochFailedError,
     FleetError,
     FleetTimeoutError,
+    QuorumError,
     WeightsMismatchError,
     WorkerFailure,
+    explained_by_abort,
     failure_from_rpc,
     odd_digests,
 )
 from refit_grpc.driver.links import GlooLink, TrainerLink
 from refit_grpc.errors import InvalidArgumentError, MembershipChangedError, RefitError
 from refit_grpc.plan import Packing, RefitPlan
-from refit_grpc.proto import BACKEND_FROM_NAME, DTYPE_TO_PROTO, PAUSE_MODE_TO_PROTO, pb, pb_grpc
+from refit_grpc.proto import (
+    BACKEND_FROM_NAME,
+    DTYPE_TO_PROTO,
+    EPOCH_MODE_TO_PROTO,
+    PAUSE_MODE_TO_PROTO,
+    pb,
+    pb_grpc,
+)
 from refit_grpc.reasons import Reason
+from refit_grpc.staging import StagedDigest
 
 log = logging.getLogger(__name__)
+
+# A staged epoch forms its group again without the engines that failed at most this often:
+# each round loses at least one engine, and a fault that follows every round is not one engine's.
+_MAX_REFORMS = 3
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,9 @@ class WorkerReport:
         weights_digest: its weights digest at commit ("" unless it knows it or was asked).
         canary_gap: max |engine - trainer| of the epoch's canary, if any.
         canary_seconds: how long the engine took to compute the canary, if any.
+        stall_seconds: staged: how long the engine stopped generating (its flip, pause to
+            resume); in place it stops for the whole epoch (`seconds` and the flush).
+        load_seconds: staged: the load of the staged copy, within the stall.
     """
 
     instance_id: str
@@ -77,6 +94,8 @@ class WorkerReport:
     weights_digest: str
     canary_gap: float | None = None  # max |engine - trainer| of the epoch's canary, if any
     canary_seconds: float | None = None
+    stall_seconds: float | None = None
+    load_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -87,8 +106,11 @@ class EpochReport:
         version: the epoch's version.
         bytes: the plan's bytes, sent once to every engine.
         seconds: from UpdateWeights sent to every COMMITTED.
-        broadcast_seconds: the sender's part.
-        workers: one report per engine, in fleet order.
+        broadcast_seconds: the sender's part (staged: of every round).
+        workers: one report per engine that committed, in fleet order.
+        mode: the epoch's mode.
+        left_behind: staged: the engines it went on without, and why (`Fleet.left_behind`).
+        reforms: staged: how many times the group was formed again without failed engines.
     """
 
     version: int
@@ -96,11 +118,31 @@ class EpochReport:
     seconds: float           # from UpdateWeights sent to every COMMITTED
     broadcast_seconds: float  # the sender's part
     workers: tuple[WorkerReport, ...]
+    mode: EpochMode = EpochMode.IN_PLACE
+    left_behind: tuple[WorkerFailure, ...] = ()
+    reforms: int = 0
+
+    @property
+    def stall_seconds(self) -> float | None:
+        """Staged: the longest flip (pause to resume) of any engine; None in place."""
+        stalls = [w.stall_seconds for w in self.workers if w.stall_seconds is not None]
+        return max(stalls) if stalls else None
 
     @property
     def gbps(self) -> float:
         """Effective GB/s: plan bytes over the whole epoch."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _staged_digest_of(plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> str:
+    """The trainer's staged digest, packed apart from any send (a round whose send failed before
+    every bucket went out still needs it to judge what the engines that did finish staged)."""
+    digest = StagedDigest(plan)
+    buf = torch.empty(max(b.nbytes for b in plan.buckets), dtype=torch.uint8)
+    for b in plan.buckets:
+        digest.add(b, pack_into(buf, [tensors[s.name].detach().cpu()
+                                      for s in plan.tensors[b.start:b.stop]]))
+    return digest.hexdigest()
 
 
 def _unavailable(exc: BaseException) -> bool:
@@ -163,6 +205,11 @@ class Fleet:
         self._group_id: str | None = None
         self._joined_instances: tuple[str, ...] | None = None
         self._version = 0
+        # Worker indexes the next group is formed of: every worker but those a staged epoch
+        # left behind (`left_behind`), and those the formed group holds (None: no group).
+        self._members = list(range(len(self._workers)))
+        self._group_members: tuple[int, ...] | None = None
+        self._left_behind: dict[str, WorkerFailure] = {}
 
     # --- NeMo RL's channel's surface ------------------------------------------------------
 
@@ -204,11 +251,46 @@ class Fleet:
         their ends down, so the next epoch must form a new one."""
         self._group_id = None
         self._joined_instances = None
+        self._group_members = None
+
+    @property
+    def members(self) -> tuple[WorkerEndpoint, ...]:
+        """The workers the data group is formed of: every worker but those `left_behind`."""
+        return tuple(self.endpoints[i] for i in self._members)
+
+    @property
+    def left_behind(self) -> dict[str, WorkerFailure]:
+        """Workers a staged epoch went on without (`refit(mode="staged", min_engines=...)`),
+        with why; they serve the version they had and are left out of every later group until
+        `readmit()`."""
+        return dict(self._left_behind)
+
+    def readmit(self, instance_id: str) -> None:
+        """Bring a worker left behind back into the fleet: the next `connect()` forms the group
+        with it (its next epoch is a full one, so it catches up to the fleet's version).
+
+        Args:
+            instance_id: the worker's instance id, as in `left_behind`.
+
+        Raises:
+            InvalidArgumentError: the worker is not left behind.
+        """
+        if instance_id not in self._left_behind:
+            raise InvalidArgumentError(f"{instance_id!r} is not left behind",
+                                       reason=Reason.INVALID_ARGUMENT)
+        del self._left_behind[instance_id]
+        self._members = [i for i, e in enumerate(self.endpoints)
+                         if e.instance_id not in self._left_behind]
+        if self._group_id is not None:
+            self._drop_group()  # the next epoch's group must hold it: connect() again
+
+    def _member_links(self, indexes: Sequence[int] | None = None) -> list[WorkerLink]:
+        return [self._workers[i] for i in (self._members if indexes is None else indexes)]
 
     @property
     def inference_world_size(self) -> int:
-        """The engines' ranks in the group: workers x `engine_world_size`."""
-        return len(self.endpoints) * self.config.engine_world_size
+        """The engines' ranks in the group: members x `engine_world_size`."""
+        return len(self._members) * self.config.engine_world_size
 
     @property
     def sender_spec(self) -> Packing:
@@ -287,11 +369,12 @@ class Fleet:
                      for s in plan.tensors],
             packing=pb.Packing(buffer_size_bytes=plan.packing.buffer_size_bytes,
                                num_buffers=plan.packing.num_buffers))
-        answers = self._unary_all("Prepare", lambda w: request, "prepare failed")
+        links = self._member_links()
+        answers = self._unary_all("Prepare", lambda w: request, "prepare failed", links)
         bad = [WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
                              grpc.StatusCode.FAILED_PRECONDITION, Reason.PLAN_DIGEST_MISMATCH,
                              f"shim computed {a.plan_digest[:16]}, driver {plan.digest[:16]}")
-               for w, a in zip(self._workers, answers) if a.plan_digest != plan.digest]
+               for w, a in zip(links, answers) if a.plan_digest != plan.digest]
         if bad:
             raise FleetError("shims disagree on the plan digest", bad,
                              reason=Reason.PLAN_DIGEST_MISMATCH)
@@ -339,11 +422,13 @@ class Fleet:
                 f"inference_world_size {self.inference_world_size}",
                 reason=Reason.INVALID_WORLD_SIZE)
         self._check_membership()
-        self._joined_instances = tuple(
-            d.instance_id for d in self.describe(weights_digest=False))
+        links = self._member_links()
+        self._joined_instances = tuple(d.instance_id for d in self._unary_all(
+            "Describe", lambda w: pb.DescribeRequest(skip_weights_digest=True),
+            "describe failed", links))
         group_id = group_id or f"refit-{uuid.uuid4().hex[:12]}"
         futures = []
-        for i, w in enumerate(self._workers):
+        for i, w in enumerate(links):
             request = pb.InitCollectiveRequest(
                 master_address=ip, master_port=port, world_size=world_size,
                 rank_offset=train_world_size + i * self.config.engine_world_size,
@@ -351,6 +436,7 @@ class Fleet:
                 plan_digest=plan.digest)
             futures.append(self._pool.submit(self._join_one, w, request))
         self._group_id = group_id
+        self._group_members = tuple(self._members)
         return futures
 
     def _join_one(self, w: WorkerLink, request) -> pb.InitCollectiveResponse:
@@ -408,6 +494,7 @@ class Fleet:
         else:
             store = bind_master_store(ip, port, world, self.config.join_timeout_s)
             port = store.port
+        links = self._member_links()
         try:
             futures = self.init_collective(ip, port, world, train_world_size=train_world_size)
         except BaseException:
@@ -425,10 +512,10 @@ class Fleet:
                                            self.config.join_timeout_s, store=store), plan)
         except RefitError as e:
             self.abort("trainer failed to join")
-            failures = self._collect(futures, 5.0)
+            failures = self._collect(futures, 5.0, links)
             raise FleetError(f"trainer rank 0 could not join: {e}", failures,
                              reason=e.reason) from e
-        failures = self._collect(futures, self.config.join_timeout_s)
+        failures = self._collect(futures, self.config.join_timeout_s, links)
         if failures:
             link.close()
             self.abort("join failed")
@@ -439,7 +526,8 @@ class Fleet:
                        pause_mode: PauseMode = PauseMode.KEEP,
                        on_progress: ProgressCallback | None = None, *,
                        verify_weights: bool = False,
-                       canary: Canary | None = None) -> EpochHandle:
+                       canary: Canary | None = None,
+                       mode: EpochMode = EpochMode.IN_PLACE) -> EpochHandle:
         """Open an epoch on every shim, without waiting for it.
 
         Args:
@@ -450,16 +538,24 @@ class Fleet:
                 every weight).
             canary: every engine computes its log-probabilities after the commit and reports
                 them in COMMITTED (`check_canary` compares them).
+            mode: IN_PLACE, or STAGED: the streams end at STAGED (`EpochHandle.settle()`) and
+                each engine switches only at its Flip (`refit(mode=STAGED)` does it all).
 
         Returns:
             The handle the trainer waits on while it broadcasts (`wait_accepted()`, then
-            `result()`).
+            `result()`, or `settle()` for a staged epoch).
 
         Raises:
             FleetStateError: not CONNECTED (FLEET_NOT_PREPARED, FLEET_NOT_CONNECTED,
                 FLEET_CLOSED).
             MembershipRefusedError: the workers changed since the group formed.
         """
+        return self._open_epoch(version, pause_mode, on_progress, verify_weights, canary,
+                                EpochMode(mode))
+
+    def _open_epoch(self, version: int | None, pause_mode: PauseMode,
+                    on_progress: ProgressCallback | None, verify_weights: bool,
+                    canary: Canary | None, mode: EpochMode) -> EpochHandle:
         plan = self._plan_for("update_weights()", (FleetState.CONNECTED,))
         self._check_membership()
         version = self._version + 1 if version is None else version
@@ -467,16 +563,20 @@ class Fleet:
         # refuses a repeated version only once it has committed it.
         self._version = max(self._version, version)
         # Each shim checks it is still the instance that joined (no Describe round trip first).
-        joined = self._joined_instances or ("",) * len(self._workers)
+        links = self._member_links(self._group_members)
+        joined = self._joined_instances or ("",) * len(links)
         requests = [pb.UpdateWeightsRequest(version=version, plan_digest=plan.digest,
                                             group_id=self._group_id,
                                             pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
                                             instance_id=instance_id,
                                             verify_weights=verify_weights,
-                                            canary=canary.to_proto() if canary else None)
+                                            canary=canary.to_proto() if canary else None,
+                                            mode=EPOCH_MODE_TO_PROTO[mode],
+                                            flip_timeout_s=self.config.flip_timeout_s
+                                            if mode is EpochMode.STAGED else 0.0)
                     for instance_id in joined]
         refuse_unless(self.state, (FleetState.CONNECTED,), "update_weights()")
-        handle = EpochHandle(self._workers, version, requests, self.config.epoch_timeout_s,
+        handle = EpochHandle(links, version, requests, self.config.epoch_timeout_s,
                              self._abort_epoch, on_progress, streams=self._streams)
         with self._epochs_lock:
             # Finished epochs are dropped here, so a long run keeps only the open ones.
@@ -488,43 +588,83 @@ class Fleet:
               pause_mode: PauseMode = PauseMode.KEEP,
               on_progress: ProgressCallback | None = None,
               verify_weights: bool = False,
-              canary: Canary | None = None) -> EpochReport:
-        """One whole epoch: UpdateWeights everywhere, wait for every ACCEPTED, broadcast, wait for
-        every COMMITTED, then (by default) flush so engines serve the new weights.
+              canary: Canary | None = None,
+              mode: EpochMode | str = EpochMode.IN_PLACE,
+              min_engines: int | None = None) -> EpochReport:
+        """One whole epoch, in place or staged.
+
+        In place (the default): UpdateWeights everywhere, wait for every ACCEPTED, broadcast,
+        wait for every COMMITTED, then (by default) flush so engines serve the new weights.
+        Every engine stops generating for the whole transfer; no extra memory.
+
+        Staged (`mode="staged"`): the engines keep serving the old version while the bytes land
+        in their staging copies; once at least `min_engines` STAGED the trainer's staged digest,
+        each is told to flip (pause, load, resume: the stall is the flip alone). A failure
+        before that costs nothing: the engines serve the old version, never paused. An engine
+        that fails before its flip (dead, refusing, a wrong digest) is left behind
+        (`left_behind`, the report's `left_behind`) and the others go on: those that had not
+        staged yet get the bytes again over a group re-formed without it.
 
         Args:
             link: the trainer's end of the group, from `connect()`.
             tensors: the weights, `{name: tensor}` as the plan names them.
             version: the epoch's version; by default the last one + 1.
-            flush: flush every engine after the commit, so it serves the new weights.
-            pause_mode: how the engines pause their requests for the epoch.
-            on_progress: called for each PROGRESS message (a bucket applied).
-            verify_weights: every engine computes its weights digest at commit; engines that
-                disagree raise WeightsMismatchError, before the flush: every engine stays
-                paused on the new version, serving nothing, until the operator decides.
-            canary: after the commit, before any engine serves again, every engine computes
-                the canary's teacher-forced log-probabilities; each engine's gap is in the
-                report (`WorkerReport.canary_gap`).
+            flush: in place: flush every engine after the commit, so it serves the new weights
+                (a staged flip clears the caches and resumes itself).
+            pause_mode: how the engines pause their requests (in place: for the epoch;
+                staged: for the flip).
+            on_progress: called for each PROGRESS message (a bucket applied or staged).
+            verify_weights: every engine computes its weights digest at commit (staged: at the
+                flip); engines that disagree raise WeightsMismatchError, before any engine
+                serves the new weights: they stay paused on it until the operator decides.
+            canary: after the commit (staged: after the flip's load), before any engine serves
+                again, every engine computes the canary's teacher-forced log-probabilities;
+                each engine's gap is in the report (`WorkerReport.canary_gap`).
+            mode: `EpochMode.IN_PLACE` / "in_place" or `EpochMode.STAGED` / "staged".
+            min_engines: staged only: how many engines must stage the new version for the
+                fleet to flip; by default every member.
 
         Returns:
-            The epoch's report: version, bytes, times, one `WorkerReport` per engine.
+            The epoch's report: version, bytes, times, one `WorkerReport` per engine that
+            committed, and (staged) the engines left behind.
 
         Raises:
-            InvalidArgumentError: tensors that do not match the plan (before any shim pauses).
+            InvalidArgumentError: tensors that do not match the plan (before any shim pauses),
+                a bad `mode` or `min_engines` (INVALID_MIN_ENGINES).
             FleetStateError: not CONNECTED.
-            EpochRefusedError: refused before any byte moved (`MembershipRefusedError` when a
-                worker restarted since the group formed); the group is dropped.
-            EpochFailedError: failed mid-broadcast; the fleet is aborted.
+            EpochRefusedError: in place: refused before any byte moved
+                (`MembershipRefusedError` when a worker restarted since the group formed); the
+                group is dropped.
+            EpochFailedError: in place: failed mid-broadcast; the fleet is aborted.
+            QuorumError: staged: fewer than `min_engines` staged the new version (nothing
+                flipped), or fewer flipped.
             FleetTimeoutError: the epoch ran past `epoch_timeout_s`.
             WeightsMismatchError: engines' digests disagree (`verify_weights`).
             CanaryMismatchError: an engine farther from the trainer's log-probabilities than
                 `canary.tolerance` at any position, or unable to compute them.
             FleetError: the flush failed.
         """
+        try:
+            mode = EpochMode(mode)
+        except ValueError:
+            raise InvalidArgumentError(f"mode must be one of {[m.value for m in EpochMode]}, "
+                                       f"got {mode!r}", reason=Reason.INVALID_EPOCH_MODE) from None
         link.sender.check_tensors(tensors)  # refuse bad input before any shim pauses
+        if self.state is FleetState.CONNECTED and self._group_members != tuple(self._members):
+            # A staged epoch went on without some engines: the group is formed again of the
+            # members (the trainer calls nothing else; only the gloo link can).
+            self._reform(link, self._members)
+        if mode is EpochMode.STAGED:
+            return self._refit_staged(link, tensors, version, pause_mode, on_progress,
+                                      verify_weights, canary, min_engines)
+        if min_engines is not None:
+            raise InvalidArgumentError("min_engines is for staged epochs: an in-place epoch "
+                                       "cannot leave an engine behind unharmed",
+                                       reason=Reason.INVALID_MIN_ENGINES)
         t0 = time.monotonic()
         handle = self.update_weights(version, pause_mode, on_progress,
                                      verify_weights=verify_weights, canary=canary)
+        links = self._member_links(self._group_members)
         try:
             handle.wait_accepted()
         except FleetError:
@@ -552,9 +692,9 @@ class Fleet:
             raise
         seconds = time.monotonic() - t0
         if verify_weights:
-            self._check_same_weights(handle.version, committed)
+            self._check_same_weights(handle.version, committed, links)
         if canary is not None:
-            self.check_canary(handle.version, canary, committed)
+            self.check_canary(handle.version, canary, committed, links)
         if flush:
             self.flush_cache()
         return EpochReport(
@@ -564,7 +704,209 @@ class Fleet:
                                        m.weights_digest,
                                        canary.gap(m.canary) if canary else None,
                                        m.canary.seconds if canary else None)
-                          for w, m in zip(self._workers, committed)))
+                          for w, m in zip(links, committed)))
+
+    def _refit_staged(self, link: TrainerLink, tensors: Mapping[str, torch.Tensor],
+                      version: int | None, pause_mode: PauseMode,
+                      on_progress: ProgressCallback | None, verify_weights: bool,
+                      canary: Canary | None, min_engines: int | None) -> EpochReport:
+        """`refit(mode=STAGED)`: stage on every member, re-forming the group without the
+        engines that failed until enough staged, then flip them (docs/protocol.md, "Staged
+        epochs")."""
+        refuse_unless(self.state, (FleetState.CONNECTED,), "refit()")
+        required = len(self._members) if min_engines is None else min_engines
+        if not 1 <= required <= len(self._members):
+            raise InvalidArgumentError(f"min_engines must be in [1, {len(self._members)}] (the "
+                                       f"fleet's members), got {min_engines}",
+                                       reason=Reason.INVALID_MIN_ENGINES)
+        plan = self._plan_for("refit()", (FleetState.CONNECTED,))
+        version = self._version + 1 if version is None else version
+        t0 = time.monotonic()
+        staged: dict[int, pb.UpdateWeightsResponse] = {}  # worker index -> its STAGED
+        staged_as: dict[int, str] = {}  # worker index -> the instance id it staged as
+        behind: dict[int, WorkerFailure] = {}
+        trainer_digest: str | None = None
+        broadcast_s, reforms = 0.0, 0
+        pending = list(self._members)
+        while True:
+            joined = dict(zip(self._group_members or (), self._joined_instances or ()))
+            handle = self._open_epoch(version, pause_mode, on_progress, verify_weights, canary,
+                                      EpochMode.STAGED)
+            checksums = StagedDigest(plan)
+            try:
+                handle.wait_accepted()
+                stats = link.sender.send(tensors, handle.send_deadline(), checksums=checksums)
+                broadcast_s += stats.seconds
+            except FleetError:
+                pass  # wait_accepted aborted the epoch; settle() names who refused
+            except RefitError as e:
+                handle.abort(f"epoch {version}: broadcast failed ({e})")
+            finals, failures = handle.settle()
+            if trainer_digest is None:
+                trainer_digest = checksums.hexdigest() if checksums.complete else \
+                    _staged_digest_of(plan, tensors)
+            for i, msg in zip(pending, finals):
+                if msg is None:
+                    continue
+                if msg.staged_digest == trainer_digest:
+                    staged[i], staged_as[i] = msg, joined.get(i, "")
+                else:
+                    ep = self.endpoints[i]
+                    behind[i] = WorkerFailure(
+                        ep.instance_id, ep.address, grpc.StatusCode.DATA_LOSS,
+                        Reason.STAGED_DIGEST_MISMATCH, f"staged {msg.staged_digest[:16]}, the "
+                        f"trainer sent {trainer_digest[:16]}")
+            retry = self._after_staging_failures(pending, failures, behind)
+            if not failures or not retry or len(staged) + len(retry) < required:
+                break  # staged, or too few left to matter (they are not to blame: not behind)
+            if reforms >= _MAX_REFORMS:
+                for i in retry:  # failed round after round: no more rounds for them
+                    behind.setdefault(i, next(f for f in failures
+                                              if f.instance_id == self.endpoints[i].instance_id))
+                break
+            # Re-form the group among the engines that still need the bytes; those STAGED keep
+            # their copies and wait for the flip.
+            reforms += 1
+            log.warning("epoch %d: %d staged, %d left behind (%s); re-forming the group for %d",
+                        version, len(staged), len(behind),
+                        ", ".join(self.endpoints[i].instance_id for i in behind), len(retry))
+            self._reform(link, retry)
+            pending = retry
+        self._version = max(self._version, version)
+        mismatched = [i for i, f in behind.items() if f.reason == Reason.STAGED_DIGEST_MISMATCH]
+        if mismatched:  # their copies are not what was sent: dropped now, not at the timeout
+            self._abort_links(f"epoch {version}: staged other bytes than the trainer sent",
+                              self._member_links(mismatched))
+        if len(staged) < required:
+            self._drop_staged(version, staged)
+            self._leave_behind(behind)
+            raise QuorumError(f"epoch {version}: {len(staged)} of {len(self._members)} engines "
+                              f"staged it, {required} required; nothing flipped, every engine "
+                              "serves the previous version",
+                              list(behind.values()), staged=[self.endpoints[i].instance_id
+                                                             for i in staged])
+        flipped, flip_failures = self._flip(version, trainer_digest, staged_as, pause_mode,
+                                            stay_paused=verify_weights or canary is not None)
+        for i, f in flip_failures.items():
+            behind[i] = f
+        self._leave_behind(behind)
+        if len(flipped) < required:
+            raise QuorumError(f"epoch {version}: {len(flipped)} engines flipped to it, "
+                              f"{required} required", list(behind.values()),
+                              staged=[self.endpoints[i].instance_id for i in flipped])
+        links = self._member_links(list(flipped))
+        answers = list(flipped.values())
+        as_committed = [pb.UpdateWeightsResponse(weights_digest=a.weights_digest,
+                                                 canary=a.canary) for a in answers]
+        if verify_weights:
+            self._check_same_weights(version, as_committed, links)
+        if canary is not None:
+            self.check_canary(version, canary, as_committed, links)
+        if verify_weights or canary is not None:
+            # Held paused by the flip until every engine was checked: now all serve at once.
+            self._unary_all("Flush", lambda w: pb.FlushRequest(
+                mode=PAUSE_MODE_TO_PROTO[pause_mode]), "resume after the flip failed", links)
+        return EpochReport(
+            version=version, bytes=plan.total_bytes, seconds=time.monotonic() - t0,
+            broadcast_seconds=broadcast_s,
+            workers=tuple(WorkerReport(
+                self.endpoints[i].instance_id, staged[i].seconds, staged[i].bytes_received,
+                a.weights_digest, canary.gap(a.canary) if canary else None,
+                a.canary.seconds if canary else None, stall_seconds=a.stall_seconds,
+                load_seconds=a.load_seconds) for i, a in flipped.items()),
+            mode=EpochMode.STAGED, left_behind=tuple(behind.values()), reforms=reforms)
+
+    def _after_staging_failures(self, pending: Sequence[int], failures: Sequence[WorkerFailure],
+                                behind: dict[int, WorkerFailure]) -> list[int]:
+        """Sort the engines of a staging round that did not stage: left behind (`behind`), or
+        worth another round (returned). Another round is for an engine that is alive, the same
+        instance, not BROKEN, and whose failure the round's abort or a dead peer explains; the
+        rest caused the failure or refused on their own."""
+        by_id = {f.instance_id: f for f in failures}
+        failed = [i for i in pending if self.endpoints[i].instance_id in by_id
+                  and i not in behind]
+        if not failed:
+            return []
+        # One try each, as bounded as Abort: a dead shim refuses at once, a frozen one is as
+        # good as dead for this epoch.
+        request = pb.DescribeRequest(skip_weights_digest=True)
+        links = self._member_links(failed)
+        calls = [self._pool.submit(w.stub.Describe, request, timeout=self.config.abort_timeout_s,
+                                   metadata=w.metadata) for w in links]
+        answers: list[pb.DescribeResponse | WorkerFailure] = []
+        for w, call in zip(links, calls):
+            try:
+                answers.append(call.result())
+            except grpc.RpcError as e:
+                answers.append(failure_from_rpc(w.endpoint, e))
+        retry = []
+        joined = dict(zip(self._group_members or (), self._joined_instances or ()))
+        for i, answer in zip(failed, answers):
+            f = by_id[self.endpoints[i].instance_id]
+            alive = isinstance(answer, pb.DescribeResponse) \
+                and answer.instance_id == joined.get(i, answer.instance_id) \
+                and answer.state != pb.SHIM_STATE_BROKEN
+            if alive and explained_by_abort(f):
+                retry.append(i)
+            else:
+                behind[i] = f if alive or not isinstance(answer, WorkerFailure) else answer
+        return retry
+
+    def _reform(self, link: TrainerLink, members: Sequence[int]) -> None:
+        """Form a new group of `members` only, the trainer's end replacing `link`'s (gloo)."""
+        if not isinstance(link, GlooLink):
+            raise FleetStateError("a staged epoch re-forms its group without the engines that "
+                                  "failed, which only the gloo link can do; connect() again",
+                                  reason=Reason.FLEET_NOT_CONNECTED)
+        ip = link.group.spec.master_address
+        link.close()
+        self._drop_group()
+        everyone = self._members
+        self._members = list(members)
+        try:
+            fresh = self.connect(ip)
+        finally:
+            self._members = everyone
+        assert isinstance(fresh, GlooLink)
+        link.adopt(fresh)
+
+    def _flip(self, version: int, digest: str, staged_as: Mapping[int, str],
+              pause_mode: PauseMode, stay_paused: bool
+              ) -> tuple[dict[int, pb.FlipResponse], dict[int, WorkerFailure]]:
+        """Flip every engine that staged, in parallel, each once (a Flip that reached its
+        shim is not repeated): each answer, or why it did not flip. Each Flip names the
+        instance that staged, so a shim restarted since cannot flip what it lost."""
+        indexes = list(staged_as)
+        links = self._member_links(indexes)
+        futures = [self._pool.submit(w.stub.Flip, pb.FlipRequest(
+            version=version, staged_digest=digest, pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
+            stay_paused=stay_paused, instance_id=staged_as[i]),
+            timeout=self.config.epoch_timeout_s, metadata=w.metadata)
+            for i, w in zip(indexes, links)]
+        flipped: dict[int, pb.FlipResponse] = {}
+        failed: dict[int, WorkerFailure] = {}
+        for i, w, f in zip(indexes, links, futures):
+            try:
+                flipped[i] = f.result()
+            except grpc.RpcError as e:
+                failed[i] = failure_from_rpc(w.endpoint, e)
+        return flipped, failed
+
+    def _drop_staged(self, version: int, staged: Mapping[int, object]) -> None:
+        """Nothing flips: the engines that staged drop their copies now (rather than at their
+        flip timeout). Abort does it; it also drops their group, which this epoch already
+        ended for the others."""
+        if staged:
+            self._abort_links(f"epoch {version}: quorum not met",
+                              self._member_links(list(staged)))
+        self._drop_group()
+
+    def _leave_behind(self, behind: Mapping[int, WorkerFailure]) -> None:
+        """Engines a staged epoch went on without leave the fleet's groups until `readmit()`;
+        the next `refit()` forms the group again without them."""
+        for i, f in behind.items():
+            self._left_behind[self.endpoints[i].instance_id] = f
+        self._members = [i for i in self._members if i not in behind]
 
     def flush_cache(self, mode: PauseMode = PauseMode.WAIT) -> bool:
         """Drain, clear the KV/prefix cache and resume, on every shim in parallel.
@@ -579,7 +921,7 @@ class Fleet:
             FleetError: every shim that failed, together (a BROKEN shim refuses to resume).
         """
         request = pb.FlushRequest(mode=PAUSE_MODE_TO_PROTO[mode])
-        self._unary_all("Flush", lambda w: request, "flush failed")
+        self._unary_all("Flush", lambda w: request, "flush failed", self._member_links())
         return True
 
     def describe(self, weights_digest: bool = True) -> list[pb.DescribeResponse]:
@@ -622,9 +964,13 @@ class Fleet:
         Returns:
             One entry per worker, in fleet order: its answer, or None when it did not answer.
         """
+        return self._abort_links(reason, self._workers)
+
+    def _abort_links(self, reason: str, links: Sequence[WorkerLink]
+                     ) -> list[pb.AbortResponse | None]:
         request = pb.AbortRequest(reason=reason)
         futures = [self._pool.submit(w.stub.Abort, request, timeout=self.config.abort_timeout_s,
-                                     metadata=w.metadata) for w in self._workers]
+                                     metadata=w.metadata) for w in links]
         out = []
         for f in futures:
             try:
@@ -633,11 +979,12 @@ class Fleet:
                 out.append(None)
         return out
 
-    def _abort_epoch(self, reason: str) -> list[pb.AbortResponse | None]:
-        """An epoch gave up: every shim drops its group on Abort, so this fleet has none either
+    def _abort_epoch(self, reason: str, links: Sequence[WorkerLink]
+                     ) -> list[pb.AbortResponse | None]:
+        """An epoch gave up: the shims it aborts drop their group, so this fleet has none either
         (the next epoch needs init_collective/connect first, said before any RPC)."""
         self._drop_group()
-        return self.abort(reason)
+        return self._abort_links(reason, links)
 
     def close(self) -> None:
         """End every open epoch (its streams cancelled, its threads joined), then the channels."""
@@ -674,20 +1021,23 @@ class Fleet:
         return retry(lambda: getattr(w.stub, method)(request, timeout=self.config.control_timeout_s,
                                                      metadata=w.metadata))
 
-    def _unary_each(self, method: str, make_request) -> list:
-        """One call per worker in parallel: each answer, or the worker's failure."""
-        futures = [self._pool.submit(self._call, w, method, make_request(w))
-                   for w in self._workers]
+    def _unary_each(self, method: str, make_request,
+                    links: Sequence[WorkerLink] | None = None) -> list:
+        """One call per worker (of `links`, by default every worker) in parallel: each answer,
+        or the worker's failure."""
+        links = self._workers if links is None else links
+        futures = [self._pool.submit(self._call, w, method, make_request(w)) for w in links]
         out: list = []
-        for w, f in zip(self._workers, futures):
+        for w, f in zip(links, futures):
             try:
                 out.append(f.result())
             except grpc.RpcError as e:
                 out.append(failure_from_rpc(w.endpoint, e))
         return out
 
-    def _unary_all(self, method: str, make_request, message: str) -> list:
-        results = self._unary_each(method, make_request)
+    def _unary_all(self, method: str, make_request, message: str,
+                   links: Sequence[WorkerLink] | None = None) -> list:
+        results = self._unary_each(method, make_request, links)
         failures = [r for r in results if isinstance(r, WorkerFailure)]
         if failures:
             cls = FleetTimeoutError if all(
@@ -695,10 +1045,11 @@ class Fleet:
             raise cls(f"{method}: {message}", failures, reason=failures[0].reason)
         return results
 
-    def _collect(self, futures: list[Future], timeout_s: float) -> list[WorkerFailure]:
+    def _collect(self, futures: list[Future], timeout_s: float,
+                 links: Sequence[WorkerLink]) -> list[WorkerFailure]:
         failures = []
         end = time.monotonic() + timeout_s
-        for w, f in zip(self._workers, futures):
+        for w, f in zip(links, futures):
             try:
                 f.result(timeout=max(end - time.monotonic(), 0.001))
             except FleetError as e:
@@ -713,7 +1064,8 @@ class Fleet:
         return failures
 
     def check_canary(self, version: int, canary: Canary,
-                     committed: Sequence[pb.UpdateWeightsResponse]) -> None:
+                     committed: Sequence[pb.UpdateWeightsResponse],
+                     links: Sequence[WorkerLink] | None = None) -> None:
         """Compare every engine's canary log-probabilities with the trainer's.
 
         Args:
@@ -721,15 +1073,16 @@ class Fleet:
             canary: the canary the epoch carried (the trainer's log-probabilities, the
                 tolerance).
             committed: one COMMITTED per worker, in fleet order.
+            links: the workers `committed` answers for; by default the group's members.
 
         Raises:
             CanaryMismatchError: naming every engine whose canary log-probabilities are farther
                 than `canary.tolerance` from the trainer's (or missing), with every engine's gap.
         """
-        gaps = {w.endpoint.instance_id: canary.gap(m.canary)
-                for w, m in zip(self._workers, committed)}
+        links = self._member_links(self._group_members) if links is None else links
+        gaps = {w.endpoint.instance_id: canary.gap(m.canary) for w, m in zip(links, committed)}
         odd = []
-        for w, m in zip(self._workers, committed):
+        for w, m in zip(links, committed):
             gap = gaps[w.endpoint.instance_id]
             if gap <= canary.tolerance:
                 continue
@@ -744,8 +1097,8 @@ class Fleet:
                 f"epoch {version}: engines compute other log-probabilities than the trainer's; "
                 "left paused, not flushed", odd, gaps=gaps)
 
-    def _check_same_weights(self, version: int,
-                            committed: Sequence[pb.UpdateWeightsResponse]) -> None:
+    def _check_same_weights(self, version: int, committed: Sequence[pb.UpdateWeightsResponse],
+                            links: Sequence[WorkerLink]) -> None:
         """Every engine of the epoch must report the same weights digest. The largest group of
         equal digests is taken as the fleet's; every other engine is named (with two engines
         that disagree, both are)."""
@@ -753,8 +1106,8 @@ class Fleet:
         majority, odd_indexes = odd_digests(digests)
         if not odd_indexes:
             return
-        odd = [WorkerFailure(self._workers[i].endpoint.instance_id,
-                             self._workers[i].endpoint.address, grpc.StatusCode.DATA_LOSS,
+        odd = [WorkerFailure(links[i].endpoint.instance_id,
+                             links[i].endpoint.address, grpc.StatusCode.DATA_LOSS,
                              Reason.WEIGHTS_MISMATCH,
                              f"weights digest {digests[i][:16] or '(none)'} at version {version}"
                              + (f", the fleet's is {majority[:16]}" if majority else ""))

@@ -16,6 +16,7 @@ import torch
 from refit_grpc.collective import Group, Sender, TransferStats
 from refit_grpc.common import Deadline
 from refit_grpc.plan import Bucket, RefitPlan
+from refit_grpc.staging import StagedDigest
 
 
 @runtime_checkable
@@ -26,8 +27,10 @@ class BucketSender(Protocol):
         """Refuse, before any byte moves, tensors that do not match the plan."""
 
     def send(self, tensors: Mapping[str, torch.Tensor], deadline: Deadline,
-             on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
-        """Pack and broadcast every bucket of the plan; bounded by `deadline`."""
+             on_bucket: Callable[[Bucket], None] | None = None, *,
+             checksums: StagedDigest | None = None) -> TransferStats:
+        """Pack and broadcast every bucket of the plan; bounded by `deadline`; each bucket's
+        bytes go to `checksums` (a staged epoch's digest) as they are sent."""
 
 
 @runtime_checkable
@@ -63,6 +66,11 @@ class GlooLink:
     @property
     def port(self) -> int:
         return self.group.spec.master_port
+
+    def adopt(self, other: GlooLink) -> None:
+        """Take over `other`'s group and sender (a group re-formed without failed engines, as
+        a staged epoch does), so the trainer's `link` stays the one to pass to `refit()`."""
+        self.group, self.plan, self.sender = other.group, other.plan, other.sender
 
     def close(self) -> None:
         self.group.close()

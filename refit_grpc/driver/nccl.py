@@ -47,6 +47,7 @@ from refit_grpc.errors import (
 )
 from refit_grpc.plan import Bucket, RefitPlan
 from refit_grpc.reasons import Reason
+from refit_grpc.staging import StagedDigest
 
 # The one key vLLM's PyNcclCommunicator exchanges through a StatelessProcessGroup: rank 0's
 # first broadcast_obj (the pickled ncclUniqueId). No prefix: the store is the group.
@@ -160,7 +161,8 @@ class NcclSender:
         return sender
 
     def send(self, tensors: Mapping[str, torch.Tensor], deadline: Deadline,
-             on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
+             on_bucket: Callable[[Bucket], None] | None = None, *,
+             checksums: StagedDigest | None = None) -> TransferStats:
         self.check_tensors(tensors)
         plan, device = self.plan, self.device
         cuda = device.type == "cuda"
@@ -179,6 +181,8 @@ class NcclSender:
                 deadline.check(f"broadcast of bucket {bucket.index}")
                 buf = pack_into(slots[k], [tensors[s.name].to(device) for s in specs])
                 self.comm.broadcast(buf, src=0, stream=stream)
+                if checksums is not None:  # a device-to-host copy of the bucket: staged only
+                    checksums.add(bucket, buf)
                 if cuda:
                     ev = torch.cuda.Event()
                     ev.record(stream)

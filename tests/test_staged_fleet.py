@@ -1,0 +1,254 @@
+"""Staged epochs across a fleet, with real shim processes, real gloo groups and real signals:
+a dead engine costs the others nothing (they serve the previous version, never paused, never
+BROKEN), `min_engines` decides whether the survivors flip, a trainer that dies before the flip
+costs only the flip timeout, and an engine that staged other bytes is the only one left out
+(docs/protocol.md, invariants 7-10)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from refit_grpc import EpochMode, Fleet, Packing, QuorumError, WorkerEndpoint
+from refit_grpc.cli.fleet import render_status, status_rows
+from refit_grpc.plan import weights_digest
+from refit_grpc.proto import pb
+from refit_grpc.shim.engines.reference import ReferenceEngine
+from refit_grpc.shim.service import ShimConfig
+
+from support import InProcessShim, describe_or_none, info
+
+BUCKET = 1 << 20
+
+
+def weights(version: int, mib: int = 16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return {f"layer.{i}": torch.randn(256 * 1024, generator=g) for i in range(mib)}
+
+
+def digest_of(tensors) -> str:
+    return weights_digest(tensors.items())
+
+
+class Watch:
+    """Describes every address every few milliseconds on a thread: what each engine was doing
+    the whole time (was it ever paused, ever BROKEN)."""
+
+    def __init__(self, addresses: list[str]):
+        self.addresses = addresses
+        self.seen: dict[str, set[tuple[int, bool]]] = {a: set() for a in addresses}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for a in self.addresses:
+                d = describe_or_none(a, timeout_s=1.0)
+                if d is not None:
+                    self.seen[a].add((d.state, d.paused))
+            time.sleep(0.005)
+
+    def stop(self) -> dict[str, set[tuple[int, bool]]]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.seen
+
+
+def kill_at_first_bucket(victim) -> tuple:
+    """An on_progress callback that SIGKILLs `victim` once the first bucket has landed anywhere:
+    mid-staging, with bytes already in every staging copy."""
+    fired = threading.Event()
+
+    def on_progress(instance_id: str, index: int, count: int) -> None:
+        if not fired.is_set():
+            fired.set()
+            victim.signal(signal.SIGKILL)
+
+    return on_progress, fired
+
+
+def connected_fleet(shims, **config) -> tuple[Fleet, object]:
+    fleet = Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+                  packing=Packing(BUCKET, 2), epoch_timeout_s=20, **config)
+    fleet.prepare(info(weights(1)))
+    return fleet, fleet.connect("127.0.0.1")
+
+
+def test_a_staged_fleet_flips_every_engine_to_exactly_the_trainers_weights(shim_procs):
+    shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(3)]
+    fleet, link = connected_fleet(shims)
+    with fleet:
+        for version in (1, 2, 3):
+            report = fleet.refit(link, weights(version), mode="staged", verify_weights=True)
+            assert report.mode is EpochMode.STAGED and report.left_behind == ()
+            assert [w.instance_id for w in report.workers] == ["w0", "w1", "w2"]
+            assert {w.weights_digest for w in report.workers} == {digest_of(weights(version))}
+            assert all(0 < w.load_seconds <= w.stall_seconds for w in report.workers)
+            for s in shims:
+                d = describe_or_none(s.address)
+                assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False,
+                                                                 version)
+                assert d.staging_bytes == fleet.plan.total_bytes  # one copy, kept
+        rows = status_rows(fleet)  # what `refit-grpc fleet status` shows
+        assert [r.last_stall_s for r in rows] == \
+            pytest.approx([w.stall_seconds for w in report.workers])
+        assert "STALL" in render_status(rows)
+        print(f"\nSTAGED 3 engines x 16 MiB: epoch {report.seconds:.3f}s, broadcast "
+              f"{report.broadcast_seconds:.3f}s, stall {report.stall_seconds * 1e3:.1f} ms")
+
+
+@pytest.mark.parametrize("min_engines", [3, 4])
+def test_sigkill_mid_staging_never_pauses_a_survivor(shim_procs, min_engines):
+    shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(4)]
+    fleet, link = connected_fleet(shims)
+    with fleet:
+        fleet.refit(link, weights(1), mode="staged")
+        survivors = [s.address for i, s in enumerate(shims) if i != 1]
+        watch = Watch(survivors)
+        on_progress, fired = kill_at_first_bucket(shims[1])
+        t0 = time.monotonic()
+        if min_engines == 4:
+            with pytest.raises(QuorumError) as e:
+                fleet.refit(link, weights(2), mode="staged", min_engines=4,
+                            on_progress=on_progress)
+            assert e.value.workers[0] == "w1", str(e.value)
+            expected_version, expected = 1, weights(1)
+        else:
+            report = fleet.refit(link, weights(2), mode="staged", min_engines=3,
+                                 on_progress=on_progress)
+            assert [f.instance_id for f in report.left_behind] == ["w1"], report.left_behind
+            assert [w.instance_id for w in report.workers] == ["w0", "w2", "w3"]
+            assert report.reforms == 1
+            expected_version, expected = 2, weights(2)
+        seconds = time.monotonic() - t0
+        seen = watch.stop()
+        assert fired.is_set()
+        assert "w1" in fleet.left_behind and [e.instance_id for e in fleet.members] == \
+            ["w0", "w2", "w3"]
+        for address in survivors:
+            states = {state for state, _ in seen[address]}
+            # Only a flip pauses (briefly, in STAGED): staging and the re-forming never do.
+            assert all(state == pb.SHIM_STATE_STAGED for state, paused in seen[address]
+                       if paused), seen[address]
+            assert pb.SHIM_STATE_BROKEN not in states and pb.SHIM_STATE_RECEIVING not in states
+            d = describe_or_none(address)
+            assert (d.weight_version, d.paused) == (expected_version, False)
+            assert d.weights_digest == digest_of(expected)
+        if min_engines == 4:
+            # Nothing flipped, so no survivor was paused at any moment of it.
+            assert all(not paused for a in survivors for _, paused in seen[a])
+            link = fleet.connect("127.0.0.1")  # a failed epoch ends the group, as in place
+        # The next epoch goes on with the three, the trainer calling nothing but refit.
+        report = fleet.refit(link, weights(3), mode="staged")
+        assert [w.instance_id for w in report.workers] == ["w0", "w2", "w3"]
+        # The dead engine comes back (same address, same name), is readmitted, catches up.
+        shims[1] = shim_procs("--model", "none", "--instance-id", "w1",
+                              "--address", shims[1].address)
+        fleet.readmit("w1")
+        fleet.prepare(info(weights(1)))
+        link = fleet.connect("127.0.0.1")
+        report = fleet.refit(link, weights(4), mode="staged", verify_weights=True)
+        assert [w.instance_id for w in report.workers] == ["w0", "w1", "w2", "w3"]
+        assert {w.weights_digest for w in report.workers} == {digest_of(weights(4))}
+    print(f"\nFAULT staged sigkill, min_engines={min_engines}: settled in {seconds:.2f}s, "
+          f"survivors never BROKEN, states seen {sorted({s for a in survivors for s, _ in seen[a]})}")
+
+
+TRAINER = """
+import sys, time, torch
+from refit_grpc import EpochMode, Fleet, Packing, WorkerEndpoint
+from refit_grpc.staging import StagedDigest
+addresses = sys.argv[1:]
+w = {f"layer.{i}": torch.randn(256 * 1024) for i in range(8)}
+fleet = Fleet([WorkerEndpoint(f"w{i}", a) for i, a in enumerate(addresses)],
+              packing=Packing(1 << 20, 2), epoch_timeout_s=60, flip_timeout_s=2.0)
+fleet.prepare({n: (t.shape, t.dtype) for n, t in w.items()})
+link = fleet.connect("127.0.0.1")
+handle = fleet.update_weights(1, mode=EpochMode.STAGED)
+handle.wait_accepted()
+link.sender.send(w, handle.send_deadline(), checksums=StagedDigest(fleet.plan))
+finals, failures = handle.settle()
+assert not failures and all(m.phase == 4 for m in finals), failures
+print("staged", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_killed_before_the_flip_costs_only_the_flip_timeout(shim_procs):
+    shims = [shim_procs("--model", "none") for _ in range(3)]
+    addresses = [s.address for s in shims]
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, *addresses],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "staged"
+        assert all(describe_or_none(a).state == pb.SHIM_STATE_STAGED for a in addresses)
+        with Fleet([WorkerEndpoint(f"w{i}", a) for i, a in enumerate(addresses)]) as operator:
+            rows = status_rows(operator)
+        assert [(r.state, r.version, r.staged_version) for r in rows] == [("STAGED", 0, 1)] * 3
+        assert "0 (staged 1)" in render_status(rows)
+        watch = Watch(addresses)
+        trainer.kill()
+        trainer.wait(10)
+        t0 = time.monotonic()
+        while any(describe_or_none(a).staged_version for a in addresses):
+            assert time.monotonic() - t0 < 10, "a staged copy outlived its flip timeout"
+            time.sleep(0.05)
+        dropped_after = time.monotonic() - t0
+        seen = watch.stop()
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(10)
+    for a in addresses:
+        d = describe_or_none(a)
+        assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, 0)
+        assert "no Flip in time" in d.last_error
+        assert not any(paused for _, paused in seen[a])
+    print(f"\nFAULT staged trainer killed before the flip: copies dropped {dropped_after:.2f}s "
+          "after (flip timeout 2 s from STAGED), never paused")
+
+
+class CorruptStaging(ReferenceEngine):
+    """Flips one staged byte of the first bucket as it lands, before its checksum: the engine
+    stages other bytes than the trainer sent."""
+
+    def _on_staged(self, bucket, view) -> None:
+        if bucket.index == 0:
+            view[0] ^= 0xFF
+
+
+@pytest.mark.parametrize("min_engines", [2, 3])
+def test_an_engine_that_staged_other_bytes_is_the_only_one_left_out(min_engines):
+    shims = [InProcessShim(engine, ShimConfig(max_epoch_s=20))
+             for engine in (ReferenceEngine(model=None), CorruptStaging(model=None),
+                            ReferenceEngine(model=None))]
+    try:
+        fleet = Fleet([WorkerEndpoint(f"s{i}", s.address) for i, s in enumerate(shims)],
+                      packing=Packing(1 << 16, 2), epoch_timeout_s=20)
+        with fleet:
+            t = weights(1, mib=1)
+            fleet.prepare(info(t))
+            link = fleet.connect("127.0.0.1")
+            if min_engines == 3:
+                with pytest.raises(QuorumError) as e:
+                    fleet.refit(link, t, mode="staged", min_engines=3)
+                assert e.value.workers == ["s1"] and e.value.reasons == {"STAGED_DIGEST_MISMATCH"}
+                assert all(s.describe().weight_version == 0 for s in shims)
+            else:
+                report = fleet.refit(link, t, mode="staged", min_engines=2)
+                assert [f.reason for f in report.left_behind] == ["STAGED_DIGEST_MISMATCH"]
+                assert [w.instance_id for w in report.workers] == ["s0", "s2"]
+                assert [s.describe().weight_version for s in shims] == [1, 0, 1]
+            d = shims[1].describe()
+            # Its copy is dropped at once (not at the flip timeout); it serves what it had.
+            assert (d.state, d.paused, d.staged_version) == (pb.SHIM_STATE_PREPARED, False, 0)
+    finally:
+        for s in shims:
+            s.close()
