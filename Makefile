@@ -89,8 +89,9 @@ demo-vllm: proto vllm
 demo-dynamo: proto vllm dynamo
 	$(PY) -m refit_grpc.tools.demo_dynamo
 
-# Every arm (floor, per-tensor, raw, refit_grpc, HTTP-JSON) side by side on the realistic 1 GiB
-# decoder mix, for a trainer and 1 receiver, then 4 (docs/bench.md). About 5 minutes.
+# Every arm (the floor as one broadcast and in buckets, per-tensor, raw, refit_grpc in place and
+# staged, HTTP-JSON) side by side on the realistic 1 GiB decoder mix, for a trainer and 1
+# receiver, then 4 (docs/bench.md). About 6 minutes.
 bench: proto
 	$(VENV)/bin/refit-grpc bench --world 2 --world 5 --reps 7
 

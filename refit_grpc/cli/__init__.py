@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--flat-trainer", action="store_true",
                        help="the trainer holds its weights as views into one buffer in plan "
                             "order (Megatron-style), which refit_grpc sends without packing")
-    bench.add_argument("--arms", default="", help="comma-separated subset of "
-                                                  "floor,per-tensor,raw,refit_grpc,http")
+    bench.add_argument("--arms", default="", help="comma-separated subset of floor,"
+                                                  "floor-buckets,per-tensor,raw,refit_grpc,"
+                                                  "staged,http")
     bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)

@@ -36,7 +36,9 @@ from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
 from refit_grpc.testing.harness import Run
 
-ARMS = ("floor", "per-tensor", "raw", "refit_grpc", "http")
+ARMS = ("floor", "floor-buckets", "per-tensor", "raw", "refit_grpc", "staged", "http")
+# The arms without a control plane: the trainer and bare receiver processes, one group each.
+BARE = ("floor", "floor-buckets", "per-tensor", "raw")
 _TIMEOUT_S = 300.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -110,14 +112,29 @@ def materialize(specs: Sequence[TensorSpec], seed: int = 0,
 # --- the bare receivers (floor, per-tensor, raw) ----------------------------------------------
 
 
+def bucketed_broadcast(group: Group, flat: torch.Tensor, plan: RefitPlan,
+                       deadline: Deadline) -> None:
+    """The plan's pre-packed bytes (`flat`, plan order) broadcast bucket by bucket, with
+    `num_buffers` in flight: the floor a bucketed protocol can reach (on 2 cores it beat one
+    broadcast of the same bytes: gloo's one large send and receive do not overlap the copies)."""
+    in_flight: list = []
+    offset = 0
+    for b in plan.buckets:
+        in_flight.append(group.broadcast_async(flat[offset:offset + b.nbytes], deadline))
+        offset += b.nbytes
+        if len(in_flight) >= plan.packing.num_buffers:
+            in_flight.pop(0).wait(deadline, "floor-buckets")
+    for op in in_flight:
+        op.wait(deadline, "floor-buckets")
+
+
 def bare_receiver(ports: dict[str, int], world: int, rank: int, workload: dict, buffer_size: int,
-                  num_buffers: int, reps: int, arms: Sequence[str] = ("floor", "per-tensor", "raw")
-                  ) -> None:
+                  num_buffers: int, reps: int, arms: Sequence[str] = BARE) -> None:
     """One receiver rank of the arms without a control plane, in the trainer's order."""
     torch.set_num_threads(1)
     plan = RefitPlan(tuple(workload_specs(workload)), Packing(buffer_size, num_buffers))
     groups = {arm: Group.join(GroupSpec("127.0.0.1", ports[arm], world, rank, "gloo", arm),
-                              _TIMEOUT_S) for arm in ("floor", "per-tensor", "raw")}
+                              _TIMEOUT_S) for arm in BARE}
     flat = torch.empty(plan.total_bytes, dtype=torch.uint8)
     flat.fill_(0)  # first touch outside the timed epochs
     views, offset = [], 0
@@ -131,6 +148,8 @@ def bare_receiver(ports: dict[str, int], world: int, rank: int, workload: dict, 
             deadline = Deadline(_TIMEOUT_S)
             if arm == "floor":
                 group.broadcast_async(flat, deadline).wait(deadline, "floor")
+            elif arm == "floor-buckets":
+                bucketed_broadcast(group, flat, plan, deadline)
             elif arm == "per-tensor":
                 for op in [group.broadcast_async(v, deadline) for v in views]:
                     op.wait(deadline, "per-tensor")
@@ -215,7 +234,9 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
         + ("; the trainer's weights are views into one buffer" if flat_trainer else ""))
     procs: list[subprocess.Popen] = []
     http = None
+    staged_fleet = None
     times: dict[str, list[float]] = {a: [] for a in arms}
+    stalls: dict[str, list[float]] = {"refit_grpc": [], "staged": []}  # per rep, warm-up first
     memory: dict[str, list[tuple[int, int]]] = {a: [] for a in arms}  # (sender, max receiver)
     cpu: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}  # (sender, all receivers)
     # Growth in the warm-up epoch, (sender, max receiver): the buffers a side allocates once and
@@ -224,11 +245,10 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
     try:
         runners: dict[str, Callable[[int], object]] = {}  # an arm's result is not used
         receivers: dict[str, list[int]] = {}
-        bare = [a for a in ("floor", "per-tensor", "raw") if a in arms]
+        bare = [a for a in BARE if a in arms]
         if bare:
             # Rank 0's stores listen before the receivers are told where (ports the kernel picks).
-            stores = {a: bind_master_store("127.0.0.1", 0, world, _TIMEOUT_S)
-                      for a in ("floor", "per-tensor", "raw")}
+            stores = {a: bind_master_store("127.0.0.1", 0, world, _TIMEOUT_S) for a in BARE}
             ports = {a: s.port for a, s in stores.items()}
             bare_procs = [subprocess.Popen([sys.executable, "-c", (
                 "from refit_grpc.tools.bench import bare_receiver; "
@@ -237,8 +257,7 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                 for r in range(1, world)]
             procs += bare_procs
             groups = {a: Group.join(GroupSpec("127.0.0.1", ports[a], world, 0, "gloo", a),
-                                    _TIMEOUT_S, store=stores.pop(a))
-                      for a in ("floor", "per-tensor", "raw")}
+                                    _TIMEOUT_S, store=stores.pop(a)) for a in BARE}
             ack = torch.zeros(1)
             flat = torch.empty(plan.total_bytes, dtype=torch.uint8)
             offset = 0
@@ -252,6 +271,8 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                     group, deadline = groups[arm], Deadline(_TIMEOUT_S)
                     if arm == "floor":
                         group.broadcast_async(flat, deadline).wait(deadline, "floor")
+                    elif arm == "floor-buckets":
+                        bucketed_broadcast(group, flat, plan, deadline)
                     elif arm == "per-tensor":
                         ops = [group.broadcast_async(weights[s.name], deadline) for s in specs]
                         for op in ops:
@@ -271,8 +292,37 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
             fleet = run.fleet_of_shims(packing=packing, epoch_timeout_s=_TIMEOUT_S)
             fleet.prepare(plan.state_dict_info())
             link = fleet.connect("127.0.0.1")
-            runners["refit_grpc"] = lambda v: fleet.refit(link, weights, version=v, flush=False)
+            # In place, the engines are paused from UpdateWeights to the flush: the stall is the
+            # whole epoch and the flush (a client-side bound: what refit() takes with flush).
+            def in_place(v: int) -> None:
+                t0 = time.monotonic()
+                fleet.refit(link, weights, version=v, flush=True)
+                stalls["refit_grpc"].append(time.monotonic() - t0)
+
+            runners["refit_grpc"] = in_place
             receivers["refit_grpc"] = [s.pid for s in shims]
+
+        if "staged" in arms:
+            from refit_grpc.driver import Fleet, WorkerEndpoint
+            from refit_grpc.shim.process import spawn_shim
+
+            staged_shims = [spawn_shim("--model", "none", "--instance-id", f"staged-{i}",
+                                       "--buffer-size-bytes", str(buffer_size_bytes),
+                                       "--num-buffers", str(num_buffers))
+                            for i in range(workers)]
+            run.shims += staged_shims
+            staged_fleet = Fleet([WorkerEndpoint(s.instance_id, s.address) for s in staged_shims],
+                                 packing=packing, epoch_timeout_s=_TIMEOUT_S)
+            staged_fleet.prepare(plan.state_dict_info())
+            staged_link = staged_fleet.connect("127.0.0.1")
+
+            # Staged, the engines stop only for their flips (the report's stall: the longest).
+            def staged(v: int) -> None:
+                report = staged_fleet.refit(staged_link, weights, version=v, mode="staged")
+                stalls["staged"].append(report.stall_seconds or 0.0)
+
+            runners["staged"] = staged
+            receivers["staged"] = [s.pid for s in staged_shims]
 
         if "http" in arms:
             http_servers = [subprocess.Popen([sys.executable, "-m", "refit_grpc.tools.bench_http"],
@@ -321,6 +371,8 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
                     cpu[arm].append((used[0], sum(used[1:])))
             say(f"rep {i}{' (warm-up)' if i == 0 else ''} done")
     finally:
+        if staged_fleet is not None:
+            staged_fleet.close()
         run.teardown()  # the fleet and the shims
         if http is not None:
             http.close()
@@ -333,7 +385,24 @@ def run_bench(workers: int = 2, workload: dict | None = None, buffer_size_bytes:
             except subprocess.TimeoutExpired:
                 p.kill()
     _report(times, memory, cpu, first, plan, workers, say)
+    _report_stalls(stalls, times, say)
     return times
+
+
+def _report_stalls(stalls: dict[str, list[float]], times: dict[str, list[float]],
+                   say: Callable[[str], None]) -> None:
+    """How long the engines stopped serving, in place against staged (the warm-up dropped)."""
+    med = {a: statistics.median(s[1:]) for a, s in stalls.items() if len(s) > 1}
+    if not med:
+        return
+    floor = min((statistics.median(times[a]) for a in ("floor", "floor-buckets")
+                 if times.get(a)), default=None)
+    say("stall (engines not serving): " + ", ".join(
+        f"{'in place' if a == 'refit_grpc' else a} {m * 1e3:.1f} ms" for a, m in med.items())
+        + (f"; staged/in place {med['staged'] / med['refit_grpc']:.2f}x"
+           if len(med) == 2 and med["refit_grpc"] else "")
+        + (f"; staged epoch/floor {statistics.median(times['staged']) / floor:.2f}x"
+           if floor and times.get("staged") else ""))
 
 
 def _report(times: dict[str, list[float]], memory: dict[str, list[tuple[int, int]]],
