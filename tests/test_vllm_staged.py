@@ -1,9 +1,13 @@
 """Staged epochs on a real vLLM: the bytes land in each worker's staged copy while the engine keeps
 generating, and the flip loads that copy through the in-place receive's own loader.
 
-One CPU vLLM server (the tiny Llama) for the module, driven at the engine level as the shim drives
-it (`VLLMEngine.stage`, then pause / `flip` / reset_cache / resume), the trainer being rank 0 of a
-real gloo group with `Sender`, which also computes the trainer's staged digest:
+One CPU vLLM server for the module, of a tiny Qwen2-MoE whose output projection is tied to its
+embedding: the two things a flip must get as right as an in-place receive (the tied head
+re-processed, the experts' post-load step, docs/vllm.md). The trainer sends
+`checkpoint_state_dict(model)` (both names of the tied tensor, experts per expert). Driven at
+the engine level as the shim drives it (`VLLMEngine.stage`, then pause / `flip` / reset_cache
+/ resume), the trainer being rank 0 of a real gloo group with `Sender`, which also computes the
+trainer's staged digest:
 
 (a) while streamed generations run, a staged epoch lands every byte: tokens keep arriving during
     the staging window (the longest gap between streamed tokens then and in steady state is
@@ -44,7 +48,7 @@ from refit_grpc import Fleet, WorkerEndpoint  # noqa: E402
 from refit_grpc.collective import Group, Sender  # noqa: E402
 from refit_grpc.common import Deadline, GroupSpec, PauseMode  # noqa: E402
 from refit_grpc.errors import RefitError  # noqa: E402
-from refit_grpc.integrations.hf import canary_from_model  # noqa: E402
+from refit_grpc.integrations.hf import canary_from_model, checkpoint_state_dict  # noqa: E402
 from refit_grpc.plan import Bucket, Packing, RefitPlan  # noqa: E402
 from refit_grpc.proto import pb, pb_grpc  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
@@ -59,31 +63,39 @@ from vllm_support.truth import (  # noqa: E402
     FP32_TOL,
     LR,
     MIN_MOVE,
+    build_tiny,
     engine_logprobs,
     hf_logprobs,
     load_model,
     sgd_step,
-    state_dict_to_send,
 )
 
 STEP_S = 30.0
 EPOCH_S = 60.0
-# 128 KiB buckets: the 1.7 MB model in 8 buckets, so a paced sender keeps the staging window
-# open long enough for the engine to stream tokens inside it.
+# 128 KiB buckets: the model in many buckets, so a paced sender keeps the staging window open
+# long enough for the engine to stream tokens inside it.
 PACKING = Packing(128 * 1024, 2)
 PACE_S = 0.15  # (a): the trainer's pause after each bucket it sends
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with module_pool(tmp_path_factory, "vllm-staged-logs") as pool:
-        yield pool.start(tiny_model_dir())
+def model_dir(tmp_path_factory):
+    """The tied tiny Qwen2-MoE (4 experts 64 wide, top-2, a shared expert), the tokenizer of
+    the other vLLM tests."""
+    return build_tiny("qwen2_moe", tmp_path_factory.mktemp("tied-moe") / "tied-moe",
+                      tiny_model_dir(), tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
-def trainer(server):
-    """The trainer's model (transformers) and the version the engine serves."""
-    return {"model": load_model(tiny_model_dir()), "version": 0,
+def server(tmp_path_factory, model_dir):
+    with module_pool(tmp_path_factory, "vllm-staged-logs") as pool:
+        yield pool.start(model_dir)
+
+
+@pytest.fixture(scope="module")
+def trainer(server, model_dir):
+    """The trainer's model (transformers), the version the engine serves, the checkpoint."""
+    return {"model": load_model(model_dir), "version": 0, "dir": model_dir,
             "gen": torch.Generator().manual_seed(3)}
 
 
@@ -175,10 +187,16 @@ def assert_serves(url: str, model, what: str) -> torch.Tensor:
     return got
 
 
+def to_send(model) -> dict:
+    """What the trainer sends: checkpoint names (experts per expert, the tied tensor under
+    both of its names), contiguous copies."""
+    return {n: t.detach().contiguous().clone() for n, t in checkpoint_state_dict(model).items()}
+
+
 def next_version(trainer: dict) -> tuple[int, dict]:
     """One SGD step of the trainer; the version it makes and what it sends."""
     sgd_step(trainer["model"], LR, trainer["gen"])
-    return trainer["version"] + 1, state_dict_to_send(trainer["model"], with_lm_head=True)
+    return trainer["version"] + 1, to_send(trainer["model"])
 
 
 def plan_of(tensors: dict) -> RefitPlan:
@@ -304,7 +322,7 @@ def test_tokens_keep_streaming_while_a_staged_epoch_lands_and_the_flip_serves_it
     assert w.staging_bytes == plan.total_bytes == engine.staging_bytes
 
     # Staged, not flipped: the engine still computes the old version.
-    before = assert_serves(server.url, load_model(tiny_model_dir()), "staged, not flipped")
+    before = assert_serves(server.url, load_model(trainer["dir"]), "staged, not flipped")
     stall = flip(engine, version)
     trainer["version"] = version
     after = assert_serves(server.url, model, f"v{version} after the flip")
@@ -354,7 +372,7 @@ def test_a_staged_epoch_ended_midway_leaves_the_old_weights_serving(server, engi
     old = assert_serves(server.url, model, "before")
     gen = torch.Generator().manual_seed(100 + trainer["version"])
     tensors = {n: t + 0.05 * torch.randn(t.shape, generator=gen)  # never to be served
-               for n, t in state_dict_to_send(model, with_lm_head=True).items()}
+               for n, t in to_send(model).items()}
     plan = plan_of(tensors)
     group = form_group(engine, plan)
     stalled = threading.Event()

@@ -80,10 +80,11 @@ def tiny_config(family: str):
 
 
 def build_tiny(family: str, out_dir: str | Path, tokenizer_dir: str | Path,
-               seed: int = 0) -> Path:
-    """A random tiny model of `family` (`tiny_config`) saved as safetensors in checkpoint
-    format, next to a copy of `tokenizer_dir`'s tokenizer. A tied model's checkpoint has no
-    `lm_head.weight` (transformers saves a tied tensor once), so vLLM ties."""
+               seed: int = 0, **overrides) -> Path:
+    """A random tiny model of `family` (`tiny_config`, with `overrides` set on it, e.g.
+    `tie_word_embeddings=True`) saved as safetensors in checkpoint format, next to a copy of
+    `tokenizer_dir`'s tokenizer. A tied model's checkpoint has no `lm_head.weight`
+    (transformers saves a tied tensor once), so vLLM ties."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
@@ -92,8 +93,11 @@ def build_tiny(family: str, out_dir: str | Path, tokenizer_dir: str | Path,
         src = Path(tokenizer_dir) / name
         if src.is_file():
             shutil.copy(src, out / name)
+    config = tiny_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family)).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     return out
 
