@@ -18,7 +18,8 @@ trainer's staged digest:
 (c) a staged receive dropped or aborted midway ends promptly, nothing is staged, the engine was
     never paused and still serves the old version, and the next staged epoch goes through;
 (d) the same engine behind a real shim process: a staged UpdateWeights ends at STAGED, the
-    Flip runs the epoch's canary and serves the new version.
+    Flip runs the epoch's canary and serves the new version; then the trainer's one call,
+    `Fleet.refit(mode="staged")`, does the same.
 """
 
 from __future__ import annotations
@@ -162,13 +163,19 @@ def send(group: Group, plan: RefitPlan, tensors: dict,
 
 def flip(engine: VLLMEngine, version: int) -> float:
     """The shim's Flip: pause (keep), load the staged copy, clear the cache, resume; returns the
-    stall in seconds."""
-    t0 = time.monotonic()
+    stall in seconds (and prints its parts)."""
+    marks = [time.monotonic()]
     engine.pause(PauseMode.KEEP, Deadline(STEP_S))
+    marks.append(time.monotonic())
     engine.flip(version, Deadline(STEP_S))
+    marks.append(time.monotonic())
     assert engine.reset_cache(Deadline(STEP_S))
+    marks.append(time.monotonic())
     engine.resume(Deadline(STEP_S))
-    return time.monotonic() - t0
+    marks.append(time.monotonic())
+    parts = [round((b - a) * 1e3) for a, b in zip(marks, marks[1:])]
+    print(f"v{version} flip: pause / load / reset cache / resume {parts} ms")
+    return marks[-1] - marks[0]
 
 
 def worker_statuses(url: str) -> list[StageStatus]:
@@ -259,9 +266,13 @@ class TokenStream:
 
     def longest_gap(self, t0: float, t1: float) -> float:
         """The longest time between two tokens of one request, both inside [t0, t1]."""
-        gaps = [b - a for times in self.arrivals for a, b in zip(times, times[1:])
+        return self.longest_gap_at(t0, t1)[0]
+
+    def longest_gap_at(self, t0: float, t1: float) -> tuple[float, float]:
+        """(the longest gap inside [t0, t1], when it began, in seconds after t0)."""
+        gaps = [(b - a, a - t0) for times in self.arrivals for a, b in zip(times, times[1:])
                 if t0 <= a and b <= t1]
-        return max(gaps, default=float("nan"))
+        return max(gaps, default=(float("nan"), float("nan")))
 
     def wait_tokens(self, n: int, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
@@ -310,11 +321,11 @@ def test_tokens_keep_streaming_while_a_staged_epoch_lands_and_the_flip_serves_it
     assert staging.buckets == list(plan.buckets)
     assert paused_seen and not any(paused_seen), paused_seen
     during = stream.tokens_between(t0, t1)
-    gap_during, gap_steady = stream.longest_gap(t0, t1), stream.longest_gap(t_steady, t0)
+    (gap_during, at), gap_steady = stream.longest_gap_at(t0, t1), stream.longest_gap(t_steady, t0)
     print(f"\nstaged {plan.total_bytes} bytes in {len(plan.buckets)} buckets over "
           f"{t1 - t0:.2f}s (trainer paced {PACE_S}s a bucket): {during} tokens streamed "
-          f"meanwhile; longest gap between tokens {gap_during * 1e3:.0f} ms while staging, "
-          f"{gap_steady * 1e3:.0f} ms steady")
+          f"meanwhile; longest gap between tokens {gap_during * 1e3:.0f} ms while staging "
+          f"(from {at:.2f}s into it), {gap_steady * 1e3:.0f} ms steady")
     assert during > 0, "no token arrived while the staged epoch landed"
     (w,) = worker_statuses(server.url)
     assert (w.state, w.landed, w.total, w.digest) == ("staged", len(plan.buckets),
@@ -485,6 +496,20 @@ def test_a_staged_epoch_through_a_real_shim_ends_staged_then_flips_with_its_cana
         (d,) = fleet.describe()
         assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, version), d
         assert_serves(server.url, trainer["model"], f"v{version} flipped through the shim")
+
+        # The trainer's one call: Fleet.refit(mode="staged") stages, checks, flips.
+        version, tensors = next_version(trainer)
+        canary = canary_from_model(trainer["model"], SEQUENCE, FP32_TOL)
+        report = fleet.refit(link, tensors, version=version, mode="staged", canary=canary)
+        (worker,) = report.workers
+        assert report.version == version and not report.left_behind, report
+        assert worker.canary_gap is not None and worker.canary_gap <= FP32_TOL, worker
+        print(f"Fleet.refit(mode='staged'): epoch {report.seconds * 1e3:.0f} ms, stall "
+              f"{report.stall_seconds * 1e3:.0f} ms, canary gap {worker.canary_gap:.1e}")
+        trainer["version"] = version
+        (d,) = fleet.describe()
+        assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, version), d
+        assert_serves(server.url, trainer["model"], f"v{version} from Fleet.refit(staged)")
     finally:
         channel.close()
         if link is not None:
