@@ -109,10 +109,11 @@ class Trainer:
     """Trainer rank 0 inside a Ray actor, as in NeMo RL: the channel lives here, the trainer joins
     the data group itself and broadcasts with the project's Sender."""
 
-    def __init__(self, workers: list[dict], buffer: int):
+    def __init__(self, workers: list[dict], buffer: int, mode: str = "in_place"):
         self.channel = DynamoRefitChannel(workers, engine_world_size=1, control_timeout_s=10,
                                           validate_workers=lambda md: md, join_timeout_s=30,
-                                          epoch_timeout_s=30, packing=Packing(buffer, 2))
+                                          epoch_timeout_s=30, packing=Packing(buffer, 2),
+                                          mode=mode)
         self.group = None
         self.refs: list[ray.ObjectRef] = []
 
@@ -182,6 +183,9 @@ class Trainer:
 
     def client_copy(self) -> DynamoRefitChannel:
         return self.channel.client_copy()
+
+    def flush(self) -> bool:
+        return self.channel.flush_cache()
 
     def close(self) -> None:
         if self.group is not None:
@@ -324,6 +328,27 @@ def test_trainer_actor_refits_through_object_refs(ray_cluster, shim_procs):
     for actor in (trainer, rollout):
         ray.kill(actor)
     print(f"RAY: test body {time.monotonic() - t_start:.1f}s")
+
+
+@pytest.mark.slow
+def test_staged_through_the_channel_refs_resolve_at_staged_and_flush_flips(ray_cluster,
+                                                                           shim_procs):
+    shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(2)]
+    trainer = Trainer.remote(endpoints(shims), BUFFER, mode="staged")
+    assert ray.get(trainer.connect.remote(), timeout=GET_S)["joined"] == [True, True]
+    for version in (1, 2):
+        out = ray.get(trainer.refit.remote(version), timeout=GET_S)
+        assert out["results"] == [True, True] and out["ready_before_send"] == 0
+        # The refs resolved at STAGED: every engine serves the version before, never paused.
+        for d in described(shims):
+            assert (d.state, d.paused, d.weight_version, d.staged_version) == \
+                (pb.SHIM_STATE_STAGED, False, version - 1, version)
+        assert ray.get(trainer.flush.remote(), timeout=GET_S) is True  # the flip
+        for d in described(shims):
+            assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, version)
+            assert d.weights_digest == digest_v(version) and d.last_stall_seconds > 0
+    ray.get(trainer.close.remote(), timeout=GET_S)
+    ray.kill(trainer)
 
 
 @pytest.mark.slow

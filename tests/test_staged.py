@@ -21,6 +21,7 @@ from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
 from refit_grpc.plan import Packing, RefitPlan, weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
+from refit_grpc.shim.metrics import _StateCollector
 from refit_grpc.shim.service import ShimConfig
 from refit_grpc.staging import StagedDigest, staged_digest
 
@@ -105,6 +106,7 @@ def test_serves_the_old_version_until_the_flip_then_exactly_the_new(ready):
     assert trainer_digest == staged_digest(
         ready.plan, ((b, _packed(ready.plan, t2, b)) for b in ready.plan.buckets))
 
+    assert gauges(ready)["refit_shim_staged_version"] == 2
     d = ready.shim.describe()
     assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_STAGED, False, 1)
     assert (d.staged_version, d.staged_digest) == (2, trainer_digest)
@@ -119,12 +121,21 @@ def test_serves_the_old_version_until_the_flip_then_exactly_the_new(ready):
         (pb.SHIM_STATE_READY, False, 2, 0)
     assert d.weights_digest == store_digest(ready, t2)
     assert d.last_stall_seconds == pytest.approx(done.stall_seconds)
+    g = gauges(ready)
+    assert g["refit_shim_staged_version"] == 0
+    assert g["refit_shim_last_stall_seconds"] == pytest.approx(done.stall_seconds)
 
     # The group stays: the next staged epoch reuses it and the staging copy (no new memory).
     _, digest3 = stage(ready, tensors_v(3), 3)
     assert flip(stub, 3, digest3).version == 3
     assert ready.shim.describe().weights_digest == store_digest(ready, tensors_v(3))
     assert ready.shim.describe().staging_bytes == ready.plan.total_bytes
+
+
+def gauges(ready) -> dict[str, float]:
+    """The shim's unlabelled gauges, as its metrics endpoint would serve them at this moment."""
+    collector = _StateCollector(ready.shim.server.servicer, "reference")
+    return {m.name: m.samples[0].value for m in collector.collect() if len(m.samples) == 1}
 
 
 def _packed(plan: RefitPlan, tensors, bucket) -> torch.Tensor:

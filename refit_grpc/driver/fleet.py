@@ -772,6 +772,78 @@ class Fleet:
                         ", ".join(self.endpoints[i].instance_id for i in behind), len(retry))
             self._reform(link, retry)
             pending = retry
+        return self._finish_staged(version, plan, staged, staged_as, behind, trainer_digest,
+                                   required, pause_mode, verify_weights, canary,
+                                   started=t0, broadcast_s=broadcast_s, reforms=reforms)
+
+    def flip(self, handle: EpochHandle, staged_digest: str | None = None, *,
+             min_engines: int | None = None, pause_mode: PauseMode = PauseMode.KEEP,
+             verify_weights: bool = False, canary: Canary | None = None) -> EpochReport:
+        """End a staged epoch opened with `update_weights(mode=STAGED)`, for trainers that
+        broadcast themselves (several trainer ranks, the Ray channel): wait for its streams,
+        then flip every engine that STAGED `staged_digest` when at least `min_engines` did.
+        Unlike `refit(mode="staged")` it cannot send again, so the engines that failed are left
+        behind without another round.
+
+        Args:
+            handle: the staged epoch.
+            staged_digest: the trainer's digest of what it sent (`refit_grpc.staging`, e.g. the
+                `StagedDigest` given to `Sender.send(checksums=...)`); None: the digest most
+                engines staged (they agree with each other, not proven equal to the trainer).
+            min_engines: how many must have staged it; by default every engine of the epoch.
+            pause_mode: how the engines pause their requests for the flip.
+            verify_weights: as the epoch was opened (every engine's digest compared).
+            canary: the canary the epoch was opened with, if any (its tolerance is applied).
+
+        Returns:
+            The epoch's report (`EpochReport.left_behind` names who did not flip).
+
+        Raises:
+            InvalidArgumentError: not a staged epoch, or `min_engines` out of range.
+            QuorumError: fewer than `min_engines` staged it (nothing flipped) or flipped.
+            WeightsMismatchError, CanaryMismatchError: as `refit()`.
+        """
+        if not handle.staged:
+            raise InvalidArgumentError("flip() ends a staged epoch; this one is in place",
+                                       reason=Reason.INVALID_EPOCH_MODE)
+        indexes = list(self._group_members or ())
+        required = len(indexes) if min_engines is None else min_engines
+        if not 1 <= required <= len(indexes):
+            raise InvalidArgumentError(f"min_engines must be in [1, {len(indexes)}], got "
+                                       f"{min_engines}", reason=Reason.INVALID_MIN_ENGINES)
+        plan = self._plan_for("flip()", (FleetState.CONNECTED, FleetState.PREPARED))
+        joined = dict(zip(indexes, self._joined_instances or ()))
+        finals, failures = handle.settle()
+        if staged_digest is None:
+            staged_digest, _ = odd_digests([m.staged_digest if m else "" for m in finals])
+            staged_digest = staged_digest or ""
+        by_id = {f.instance_id: f for f in failures}
+        staged: dict[int, pb.UpdateWeightsResponse] = {}
+        behind: dict[int, WorkerFailure] = {}
+        for i, msg in zip(indexes, finals):
+            ep = self.endpoints[i]
+            if msg is not None and msg.staged_digest == staged_digest:
+                staged[i] = msg
+            elif msg is not None:
+                behind[i] = WorkerFailure(ep.instance_id, ep.address, grpc.StatusCode.DATA_LOSS,
+                                          Reason.STAGED_DIGEST_MISMATCH,
+                                          f"staged {msg.staged_digest[:16]}, expected "
+                                          f"{staged_digest[:16]}")
+            elif ep.instance_id in by_id:
+                behind[i] = by_id[ep.instance_id]
+        return self._finish_staged(handle.version, plan, staged,
+                                   {i: joined.get(i, "") for i in staged}, behind, staged_digest,
+                                   required, pause_mode, verify_weights, canary,
+                                   started=handle.started_at, broadcast_s=0.0, reforms=0)
+
+    def _finish_staged(self, version: int, plan: RefitPlan,
+                       staged: Mapping[int, pb.UpdateWeightsResponse],
+                       staged_as: Mapping[int, str], behind: dict[int, WorkerFailure],
+                       digest: str, required: int, pause_mode: PauseMode,
+                       verify_weights: bool, canary: Canary | None, *, started: float,
+                       broadcast_s: float, reforms: int) -> EpochReport:
+        """The decision and the flip of a staged epoch: quorum or nothing, each engine flipped
+        once, checked, and (when held paused for the checks) resumed together."""
         self._version = max(self._version, version)
         mismatched = [i for i, f in behind.items() if f.reason == Reason.STAGED_DIGEST_MISMATCH]
         if mismatched:  # their copies are not what was sent: dropped now, not at the timeout
@@ -785,7 +857,7 @@ class Fleet:
                               "serves the previous version",
                               list(behind.values()), staged=[self.endpoints[i].instance_id
                                                              for i in staged])
-        flipped, flip_failures = self._flip(version, trainer_digest, staged_as, pause_mode,
+        flipped, flip_failures = self._flip(version, digest, staged_as, pause_mode,
                                             stay_paused=verify_weights or canary is not None)
         for i, f in flip_failures.items():
             behind[i] = f
@@ -807,7 +879,7 @@ class Fleet:
             self._unary_all("Flush", lambda w: pb.FlushRequest(
                 mode=PAUSE_MODE_TO_PROTO[pause_mode]), "resume after the flip failed", links)
         return EpochReport(
-            version=version, bytes=plan.total_bytes, seconds=time.monotonic() - t0,
+            version=version, bytes=plan.total_bytes, seconds=time.monotonic() - started,
             broadcast_seconds=broadcast_s,
             workers=tuple(WorkerReport(
                 self.endpoints[i].instance_id, staged[i].seconds, staged[i].bytes_received,

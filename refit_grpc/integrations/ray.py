@@ -54,8 +54,8 @@ from typing import Any
 
 import ray
 
-from refit_grpc.common import Deadline, PauseMode
-from refit_grpc.driver import ChannelSecurity, EpochHandle, Fleet, WorkerEndpoint
+from refit_grpc.common import Deadline, EpochMode, PauseMode
+from refit_grpc.driver import ChannelSecurity, EpochFailedError, EpochHandle, Fleet, WorkerEndpoint
 from refit_grpc.driver.epoch import StreamPhase
 from refit_grpc.errors import FailedPreconditionError, RefitError, RefitTimeoutError
 from refit_grpc.plan import Packing, RefitPlan
@@ -171,8 +171,12 @@ class RefitChannel:
         epoch_timeout_s: the deadline of one UpdateWeights epoch, broadcast included.
         packing: the packing; by default the one the shims offer.
         backend: "gloo" or "nccl".
-        pause_mode: how engines pause their requests during an epoch.
+        pause_mode: how engines pause their requests during an epoch (staged: the flip).
         security: TLS and token (`ChannelSecurity`); plaintext by default.
+        mode: "in_place" (NeMo RL's) or "staged": the engines serve on while the bytes land;
+            `update_weights()`'s refs resolve at STAGED and `flush_cache()` flips them (docs/ray.md).
+        min_engines: staged: how many engines must stage for `flush_cache()` to flip; by
+            default every one.
 
     Raises:
         InvalidArgumentError: no worker, duplicate instance ids, or a bad setting.
@@ -188,7 +192,9 @@ class RefitChannel:
                  packing: Packing | None = None,
                  backend: str = "gloo",
                  pause_mode: PauseMode = PauseMode.KEEP,
-                 security: ChannelSecurity | None = None):
+                 security: ChannelSecurity | None = None,
+                 mode: EpochMode | str = EpochMode.IN_PLACE,
+                 min_engines: int | None = None):
         self._fleet = Fleet(workers, engine_world_size=engine_world_size,
                             control_timeout_s=control_timeout_s, join_timeout_s=join_timeout_s,
                             epoch_timeout_s=epoch_timeout_s, validate_workers=validate_workers,
@@ -198,17 +204,20 @@ class RefitChannel:
         self.control_timeout_s = control_timeout_s
         self.validate_workers = validate_workers
         self.pause_mode = pause_mode
+        self.mode = EpochMode(mode)
+        self.min_engines = min_engines
         self._options: dict[str, Any] = {
             "engine_world_size": engine_world_size, "control_timeout_s": control_timeout_s,
             "join_timeout_s": join_timeout_s, "epoch_timeout_s": epoch_timeout_s,
             "packing": packing, "backend": backend, "pause_mode": pause_mode,
-            "security": security}
+            "security": security, "mode": self.mode, "min_engines": min_engines}
         self._session = uuid.uuid4().hex[:12]
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._outcomes: Any = None  # the _Outcomes actor, created on first use
         self._watchers: list[threading.Thread] = []
         self._epoch: EpochHandle | None = None
+        self._flipped = False  # the open staged epoch's flip ran (flush_cache)
         self._version: int | None = None  # the last version an epoch was opened with
         # The shims' joins of each group name formed, kept while any of them runs: a name is
         # not formed again before its last formation's joins have all ended.
@@ -344,9 +353,9 @@ class RefitChannel:
         """
         if version is None:
             version = self._next_version()
-        handle = self._fleet.update_weights(version, self.pause_mode)
+        handle = self._fleet.update_weights(version, self.pause_mode, mode=self.mode)
         self._version = max(self._version or 0, version)
-        self._epoch = handle
+        self._epoch, self._flipped = handle, False
         handle.wait_accepted(self.control_timeout_s)
         timeout_s = max(handle.remaining(), 0.0) + _OUTCOME_MARGIN_S
         actor = self._actor()
@@ -361,15 +370,30 @@ class RefitChannel:
         watcher.start()
         return refs
 
-    def flush_cache(self) -> bool:
+    def flush_cache(self, staged_digest: str | None = None) -> bool:
         """Drain, clear caches and resume every worker, in parallel (mode WAIT).
+
+        Staged (`mode="staged"`): flips the open staged epoch instead, every engine that staged
+        (the digest most staged) when at least `min_engines` did (`Fleet.flip`); the engines
+        that did not are left behind (`fleet.left_behind`).
+
+        Args:
+            staged_digest: the trainer's staged digest of what it sent
+                (`Sender.send(checksums=...)`),
+                which the engines' must equal; None: the digest most engines staged.
 
         Returns:
             True, once every worker resumed.
 
         Raises:
-            FleetError: naming every worker that failed (a BROKEN one refuses to resume).
+            FleetError: naming every worker that failed (a BROKEN one refuses to resume);
+                staged: `QuorumError` when too few staged (nothing flipped).
         """
+        if self._epoch is not None and self._epoch.staged and not self._flipped:
+            self._flipped = True
+            self._fleet.flip(self._epoch, staged_digest, min_engines=self.min_engines,
+                             pause_mode=self.pause_mode)
+            return True
         return self._fleet.flush_cache()
 
     # --- refit_grpc's additions --------------------------------------------------------------
@@ -486,14 +510,20 @@ def _settle_future(actor, key: str, future: Future) -> None:
 
 
 def _watch_epoch(actor, handle: EpochHandle, keys: list[str]) -> None:
-    """Settle each worker's ref as it COMMITS; when the epoch ends (every COMMITTED, or the first
-    failure, which `result()` turns into a fleet abort and a typed error), settle the rest with
-    that error."""
+    """Settle each worker's ref as it COMMITS (staged: STAGES); when the epoch ends (every one
+    done, or the first failure, which `result()` turns into a fleet abort and a typed error, and
+    `settle()` into the failed workers' errors), settle the rest with that error."""
     outcome: dict[str, BaseException] = {}
+    done = StreamPhase.STAGED if handle.staged else StreamPhase.COMMITTED
 
     def finish() -> None:
         try:
-            handle.result()
+            if handle.staged:
+                _, failures = handle.settle()
+                if failures:
+                    raise EpochFailedError(f"epoch {handle.version} failed to stage", failures)
+            else:
+                handle.result()
         except BaseException as e:  # noqa: BLE001  (every unsettled worker's ref carries it)
             outcome["error"] = e
 
@@ -503,7 +533,7 @@ def _watch_epoch(actor, handle: EpochHandle, keys: list[str]) -> None:
     while True:
         running = driver.is_alive()  # read first: one more pass after it ends
         for i, phase in enumerate(handle.phases()):
-            if phase is StreamPhase.COMMITTED and not settled[i]:
+            if phase is done and not settled[i]:
                 _settle(actor, keys[i], True, True)
                 settled[i] = True
         if not running:

@@ -111,6 +111,13 @@ class _StateCollector:
         yield GaugeMetricFamily("refit_shim_canary_version",
                                 "the version the last canary ran at (0: none)",
                                 value=canary_version)
+        staged_version, stall_s = self.servicer.staging
+        yield GaugeMetricFamily("refit_shim_staged_version",
+                                "the version staged and waiting for its flip (0: none)",
+                                value=staged_version)
+        yield GaugeMetricFamily("refit_shim_last_stall_seconds",
+                                "how long the last flip stopped generation, pause to resume "
+                                "(0: no flip yet)", value=stall_s)
         info = GaugeMetricFamily("refit_shim_info", "this shim", labels=["instance_id", "engine"])
         info.add_metric([self.servicer.config.instance_id, self.engine_kind], 1.0)
         yield info

@@ -182,6 +182,13 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         with self._lock:
             return self._last_canary
 
+    @property
+    def staging(self) -> tuple[int, float]:
+        """(the version staged and waiting for its flip, 0 when none; the last flip's stall in
+        seconds, 0.0 before any)."""
+        with self._lock:
+            return (self._staged.version if self._staged else 0), self._last_stall_s
+
     # --- RPCs ------------------------------------------------------------------------------
 
     def Describe(self, request, context):
