@@ -252,3 +252,38 @@ def test_an_engine_that_staged_other_bytes_is_the_only_one_left_out(min_engines)
     finally:
         for s in shims:
             s.close()
+
+
+class CannotStage(ReferenceEngine):
+    """An engine that refuses staged epochs (STAGING_UNSUPPORTED, before ACCEPTED)."""
+
+    @property
+    def supports_staging(self) -> bool:
+        return False
+
+
+def test_a_refusal_leaves_only_the_refusing_engine_behind():
+    shims = [InProcessShim(engine, ShimConfig(max_epoch_s=20))
+             for engine in (ReferenceEngine(model=None), CannotStage(model=None),
+                            ReferenceEngine(model=None))]
+    try:
+        fleet = Fleet([WorkerEndpoint(f"s{i}", s.address) for i, s in enumerate(shims)],
+                      packing=Packing(1 << 16, 2), epoch_timeout_s=20)
+        with fleet:
+            t = weights(1, mib=1)
+            fleet.prepare(info(t))
+            link = fleet.connect("127.0.0.1")
+            report = fleet.refit(link, t, mode="staged", min_engines=2)
+            # The refusal aborted the round before any byte moved; the other two went on in a
+            # group formed again without the refusing engine.
+            assert [(f.instance_id, f.reason) for f in report.left_behind] == \
+                [("s1", "STAGING_UNSUPPORTED")]
+            assert report.reforms == 1
+            assert [s.describe().weight_version for s in shims] == [1, 0, 1]
+            assert not shims[1].describe().paused
+            # The next epoch runs on the two without the trainer doing anything else.
+            report = fleet.refit(link, weights(2, mib=1), mode="staged")
+            assert [w.instance_id for w in report.workers] == ["s0", "s2"]
+    finally:
+        for s in shims:
+            s.close()
