@@ -260,3 +260,18 @@ def test_the_model_keeps_generating_while_staging_and_the_canary_runs_at_the_fli
         group.close()
     finally:
         shim.close()
+
+
+def test_a_second_trainers_epoch_during_a_staged_one_is_refused(ready):
+    stub = ready.shim.stub
+    ep = StagedStream(stub, 2, ready.plan.digest)
+    assert ep.accepted.wait(10) and ep.error is None
+    for mode in (pb.EPOCH_MODE_STAGED, pb.EPOCH_MODE_IN_PLACE):
+        request = pb.UpdateWeightsRequest(version=3, plan_digest=ready.plan.digest,
+                                          group_id="g1", mode=mode)
+        assert refusal(lambda r=request: list(stub.UpdateWeights(r, timeout=5))) == \
+            (grpc.StatusCode.FAILED_PRECONDITION, "WRONG_STATE")
+    d = ready.shim.describe()
+    assert (d.state, d.paused) == (pb.SHIM_STATE_STAGING, False)
+    stub.Abort(pb.AbortRequest(reason="test over"), timeout=10)
+    ep.join()
