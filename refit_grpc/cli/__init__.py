@@ -1,4 +1,4 @@
-"""`refit-grpc shim | call | health | fleet | demo | bench`: the command-line entry points.
+"""`refit-grpc shim | call | health | fleet | demo | bench | bench-stall`: the command-line entry points.
 
 The parser and `main` live here; each command's body in its own module: `shim` (serve one
 engine), `call` (`call` and `health`), `fleet` (`fleet status | flush | abort`), and `security`
@@ -60,6 +60,15 @@ def _bench(args: argparse.Namespace) -> int:
                   num_buffers=args.num_buffers, reps=args.reps, arms=arms,
                   flat_trainer=args.flat_trainer)
     return 0
+
+
+def _bench_stall(args: argparse.Namespace) -> int:
+    from refit_grpc.tools.bench_stall import run_stall_bench
+
+    return run_stall_bench(pairs=args.pairs, streams=args.streams, max_tokens=args.max_tokens,
+                           hidden=args.hidden, layers=args.layers,
+                           buffer_size_bytes=args.buffer_size_bytes, steady_s=args.steady_s,
+                           scale=args.scale, png=args.png or None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +150,23 @@ def main(argv: list[str] | None = None) -> int:
                                                   "floor-buckets,per-tensor,raw,refit_grpc,"
                                                   "staged,http")
     bench.set_defaults(func=_bench)
+
+    stall = sub.add_parser("bench-stall", help="the stall streamed generation on a real vLLM "
+                                               "sees, in-place against staged epochs")
+    stall.add_argument("--pairs", type=int, default=5,
+                       help="epochs of each mode counted, interleaved, after a warm-up of each")
+    stall.add_argument("--streams", type=int, default=4, help="concurrent streamed completions")
+    stall.add_argument("--max-tokens", type=int, default=240, help="per completion")
+    stall.add_argument("--hidden", type=int, default=512, help="the Llama's width")
+    stall.add_argument("--layers", type=int, default=6, help="the Llama's layers")
+    stall.add_argument("--buffer-size-bytes", type=int, default=4 << 20)
+    stall.add_argument("--steady-s", type=float, default=3.0,
+                       help="steady generation before and between epochs")
+    stall.add_argument("--scale", type=float, default=1e-3,
+                       help="standard deviation of each version's noise on the checkpoint")
+    stall.add_argument("--png", default="build/bench-stall.png",
+                       help="the figure of tokens over time (empty: none; needs matplotlib)")
+    stall.set_defaults(func=_bench_stall)
 
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is _bench and not args.world:

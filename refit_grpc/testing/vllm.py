@@ -135,13 +135,20 @@ PORT_TAKEN_RETRIES = 3
 
 class VLLMServer:
     """One vLLM OpenAI server as a child process in its own process group (API server,
-    EngineCore and worker), so stop() and kill() reach every process it started."""
+    EngineCore and worker), so stop() and kill() reach every process it started.
+
+    By default the group is also a session of its own. `own_session=False` keeps it in the
+    caller's session: where the kernel schedules by session (autogroup), vLLM's EngineCore
+    busy-waits inside its own scheduling group and starves the processes beside it (a load
+    generator, the trainer, the shim) for seconds at a time, so timings of vLLM next to other
+    processes need this."""
 
     def __init__(self, model_dir: str | os.PathLike, port: int | None = None,
                  log_path: str | os.PathLike | None = None, *, cpu_bind: str | None = None,
                  backend: str = "gloo", extra_args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None):
+                 env: Mapping[str, str] | None = None, own_session: bool = True):
         self.model_dir = str(model_dir)
+        self.own_session = own_session
         self.env = dict(env or {})  # on top of VLLM_ENV
         self.own_port = port is None  # picked here: wait_ready may pick another
         self.port = port or free_port()
@@ -168,7 +175,8 @@ class VLLMServer:
             self.proc = subprocess.Popen(
                 vllm_command(self.model_dir, self.port, self.backend, self.extra_args),
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True)
+                start_new_session=self.own_session,
+                process_group=None if self.own_session else 0)
         finally:
             log.close()
         self.started_at = time.monotonic()
