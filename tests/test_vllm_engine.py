@@ -281,12 +281,13 @@ def test_flush_wait_on_a_busy_engine_finishes_requests_and_empties_the_prefix_ca
     for out, _ in results:
         assert out["finish_reason"] == "length" and len(out["token_ids"]) == 160
     # WAIT drained them: Flush answered once the engine had finished every in-flight request
-    # (their HTTP answers trail the engine by the API server's output processing, a few ms).
+    # (their HTTP answers trail the engine by the API server's output processing: a few ms on
+    # a quiet host, 0.5 s measured once beside other tests on 2 cores, so the bound is loose).
     # Under KEEP they would have finished only after the resume, a whole generation later.
     last = max(done for _, done in results)
     print(f"Flush(WAIT) took {t_flushed - t_flush:.2f}s; last request answered "
           f"{last - t_flushed:+.3f}s after it")
-    assert last - t_flushed < 0.5
+    assert last - t_flushed < 1.5
     assert any(done >= t_flush for _, done in results), "nothing was in flight during Flush"
     assert reply.cache_cleared and reply.resumed
     # The prefix cache is empty: the prompt cached before the Flush is a miss now.
