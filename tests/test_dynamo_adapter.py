@@ -5,6 +5,7 @@ any machine."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.errors import (
     CollectiveError,
     EngineUnavailableError,
+    EpochAbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
     MembershipChangedError,
@@ -27,7 +29,8 @@ from refit_grpc.integrations.dynamo import DynamoDiscovery, ShimAddressing, read
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.shim.engines import create_engine
 from refit_grpc.shim.engines.dynamo import DynamoEngine
-from refit_grpc.wire.dynamo import join_limit_s
+from refit_grpc.wire.dynamo import STAGE_RPC, join_limit_s, stage_status_key
+from refit_grpc.wire.vllm import STAGE_FAILED, STAGE_RECEIVING, STAGE_STAGED, StageStatus
 
 
 class FakeDynamo:
@@ -201,6 +204,135 @@ def test_a_worker_gone_mid_join_is_unavailable_and_named_gone(fake):
     assert "is gone" in info.value.message and "DYN_RL_INIT_WEIGHTS_TIMEOUT_S" in \
         info.value.message
     assert not e.status().healthy
+
+
+# --- staged epochs: the worker's statuses come through the trainer's TCPStore -----------------
+
+
+@pytest.fixture
+def trainer_store():
+    """The trainer's TCPStore (rank 0's rendezvous master), where the workers publish."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    yield store
+
+
+def staged_worker(fake: FakeDynamo, store, rank: int, outcome: dict, pace_s: float = 0.05):
+    """The extension's side of a staged epoch, as Dynamo reaches it: the stage call answers at
+    once (Dynamo's fixed body), a thread publishes the receive's statuses in the store."""
+    n = len(plan().buckets)
+
+    def publish(key: str) -> None:
+        for landed in range(n + 1):
+            store.set(key, json.dumps(StageStatus(rank, STAGE_RECEIVING, landed, n,
+                                                  staging_bytes=plan().total_bytes).to_wire()))
+            time.sleep(pace_s)
+        store.set(key, json.dumps(StageStatus(rank, total=n, staging_bytes=plan().total_bytes,
+                                              landed=outcome.get("landed", n),
+                                              **{k: v for k, v in outcome.items()
+                                                 if k != "landed"}).to_wire()))
+
+    def update(body):
+        if body.get("engine_rpc") == STAGE_RPC:
+            key = stage_status_key(body["status_key"], rank)
+            threading.Thread(target=publish, args=(key,), daemon=True).start()
+        return (200, {"status": "ok", "version": "unknown", "version_declared": False})
+
+    fake.replies["update_weights_from_distributed"] = update
+
+
+def joined(fake: FakeDynamo, store) -> DynamoEngine:
+    e = engine(fake)
+    e.init_transfer(GroupSpec("127.0.0.1", store.port, 2, 1, "gloo", "g"), plan(), Deadline(5))
+    return e
+
+
+def test_a_stage_starts_unpaused_follows_the_store_and_the_flip_loads_the_copy(fake,
+                                                                              trainer_store):
+    e = joined(fake, trainer_store)
+    assert e.supports_staging and e.staging_bytes == 0
+    staged_worker(fake, trainer_store, 1, {"state": STAGE_STAGED, "digest": "ab" * 16})
+    landed: list[int] = []
+    fake.posted.clear()
+    assert e.stage(plan(), Deadline(10), lambda b: landed.append(b.index)) == "ab" * 16
+    assert landed == list(range(len(plan().buckets)))
+    assert e.staging_bytes == plan().total_bytes
+    (route, body), = fake.posted
+    assert route == "update_weights_from_distributed"
+    assert (body["engine_rpc"], body["allow_unpaused"], body["reset_prefix_cache"]) == \
+        (STAGE_RPC, True, False)
+    assert body["status_key"].startswith("refit_grpc/g/staged/")
+    assert body["names"] == ["w", "b"] and body["plan_digest"] == plan().digest
+    assert not e.status().paused  # nothing paused the worker
+
+    fake.posted.clear()
+    assert e.flip(3, Deadline(5)) == ""
+    (_, flip), (_, version) = fake.posted
+    assert (flip["engine_rpc"], flip["source"], flip["staged_digest"]) == \
+        ("update_weights_from_path", "staged", "ab" * 16)
+    assert flip["allow_unpaused"] is False and flip["reset_prefix_cache"] is True
+    assert version == {"weight_version": 3}
+    with pytest.raises(FailedPreconditionError) as info:
+        e.flip(4, Deadline(5))
+    assert info.value.reason == "NOT_STAGED"
+
+
+def test_a_staged_receive_that_fails_is_typed_and_nothing_is_staged(fake, trainer_store):
+    e = joined(fake, trainer_store)
+    staged_worker(fake, trainer_store, 1, {"state": STAGE_FAILED, "landed": 1,
+                                           "error": "ConnectionError: peer left",
+                                           "reason": "COLLECTIVE_FAILED"})
+    with pytest.raises(CollectiveError) as info:
+        e.stage(plan(), Deadline(10), lambda b: None)
+    assert info.value.reason == "COLLECTIVE_FAILED" and "rank 1 failed after 1/" in \
+        info.value.message
+    with pytest.raises(FailedPreconditionError):
+        e.flip(2, Deadline(5))
+
+
+def test_a_worker_without_the_staged_receive_is_staging_unsupported(fake, trainer_store):
+    e = joined(fake, trainer_store)
+    fake.replies["update_weights_from_distributed"] = error(
+        "'Worker' object has no attribute 'refit_grpc_stage'")
+    with pytest.raises(FailedPreconditionError) as info:
+        e.stage(plan(), Deadline(5), lambda b: None)
+    assert info.value.reason == "STAGING_UNSUPPORTED"
+
+
+def test_an_abort_ends_a_stage_at_once_and_drop_posts_in_the_background(fake, trainer_store):
+    e = joined(fake, trainer_store)
+    staged_worker(fake, trainer_store, 1, {"state": STAGE_STAGED, "digest": "cd" * 16},
+                  pace_s=1.0)
+    errors: list = []
+
+    def run():
+        try:
+            e.stage(plan(), Deadline(20), lambda b: None)
+        except Exception as ex:  # noqa: BLE001
+            errors.append(ex)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    e.abort_transfer()
+    t.join(5)
+    assert not t.is_alive() and time.monotonic() - t0 < 1.0
+    (ex,) = errors
+    assert isinstance(ex, EpochAbortedError) and ex.reason == "EPOCH_ABORTED", ex
+    fake.posted.clear()
+    t0 = time.monotonic()
+    e.drop_staged()
+    assert time.monotonic() - t0 < 0.1  # never blocks
+    deadline = time.monotonic() + 5
+    while not fake.posted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (route, body), = fake.posted
+    assert route == "update_weights_from_distributed" and body == \
+        {"engine_rpc": "refit_grpc_drop_staged", "allow_unpaused": True,
+         "reset_prefix_cache": False}
 
 
 def test_engine_url_must_be_loopback_unless_allowed():

@@ -11,6 +11,19 @@ keys>)`), with these defaults, which vLLM's workers do not have; this class prov
     update_weights_from_distributed -> update_weights_from_path(**update)  start, receive, finish
     destroy_weights_update_group    -> destroy_broadcaster()               drop the group
 
+and, for a staged epoch (docs/dynamo.md, Staged epochs), through update_weights_from_distributed
+with `allow_unpaused` (the engine keeps serving):
+
+    refit_grpc_stage(status_key, **update)  start the staged receive beside the engine loop
+                                            (`layerwise.LayerwiseReceiver.stage`, the vLLM
+                                            backend's own), answer at once
+    refit_grpc_drop_staged()                forget the copy, end a staged receive in flight
+
+Dynamo discards what a forwarded call returns, so a staged receive's progress, digest or error
+(`wire.vllm.StageStatus`) is published by a thread of this worker to the trainer's TCPStore
+(the store the abort key already goes through), under `wire.dynamo.stage_status_key`. The flip
+is an ordinary `update_weights_from_path` whose update_info says `source: "staged"`.
+
 The bodies are what the vLLM shim sends vLLM's own routes (`refit_grpc.wire.vllm.init_info_for`,
 `update_info_for`, parsed here as `GlooInitInfo` / `GlooUpdateInfo`), and the work is the
 project's gloo backend's: `layerwise.LayerwiseReceiver` (the group from
@@ -35,13 +48,32 @@ plan, collective and wire), never gRPC or the shim.
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import os
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
-from refit_grpc.wire.dynamo import INIT_TIMEOUT_DEFAULT_S, INIT_TIMEOUT_ENV, join_limit_s
+from refit_grpc.wire.dynamo import (
+    INIT_TIMEOUT_DEFAULT_S,
+    INIT_TIMEOUT_ENV,
+    join_limit_s,
+    stage_status_key,
+)
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from refit_grpc.vllm_plugin.staged import StagedReceive
 
 log = logging.getLogger("vllm.refit_grpc")
+
+# How often the publisher looks at the staged receive: PROGRESS at this granularity.
+PUBLISH_POLL_S = 0.05
+# A connect to the trainer's store, inside the start call (the engine loop waits for it).
+STORE_CONNECT_S = 2.0
 
 
 def dynamo_init_limit_s() -> float:
@@ -87,11 +119,13 @@ class RefitGlooWorkerExtension:
     def update_weights_from_path(self, **update_info: Any) -> dict[str, Any]:
         from vllm.config import set_current_vllm_config
 
-        from refit_grpc.wire.vllm import GlooUpdateInfo, applied_marker
+        from refit_grpc.wire.vllm import SOURCE_STAGED, GlooUpdateInfo, applied_marker
 
         update = GlooUpdateInfo(**update_info)
         receiver = self._refit_grpc_receiver()
-        if not receiver.joined:
+        # A staged epoch's flip reads the staged copy, not the group: a trainer gone after
+        # STAGED (its group with it) does not stop it.
+        if not receiver.joined and update.source != SOURCE_STAGED:
             raise RuntimeError("refit_grpc: no weight-update group; call "
                                "init_weights_update_group first")
         with set_current_vllm_config(self.vllm_config):
@@ -111,6 +145,32 @@ class RefitGlooWorkerExtension:
             receiver.close()
         return {"destroyed": True}
 
+    def refit_grpc_stage(self, status_key: str, **update_info: Any) -> dict[str, Any]:
+        """Start the staged receive of a staged epoch; returns at once (the worker goes back to
+        its engine loop while the bytes land in the staged copy). Its status is published under
+        `stage_status_key(status_key, rank)` in the trainer's TCPStore until it ends."""
+        from refit_grpc.wire.vllm import GlooUpdateInfo
+
+        update = GlooUpdateInfo(**update_info)
+        receiver = self._refit_grpc_receiver()
+        if not receiver.joined or receiver.info is None:
+            raise RuntimeError("refit_grpc: no weight-update group; call "
+                               "init_weights_update_group first")
+        # Connected before the receive starts: a store that cannot be reached fails this call
+        # (the shim sees why) instead of a receive whose status nobody can read.
+        store = _store_client(receiver.info.master_address, receiver.info.master_port)
+        status = receiver.stage(update)
+        _StatusPublisher(store, stage_status_key(status_key, status.rank), receiver.staged)
+        return status.to_wire()
+
+    def refit_grpc_drop_staged(self, **_: Any) -> dict[str, Any]:
+        """Forget the staged copy and end a staged receive in flight (its publisher reports
+        the receive idle, or failed if it was cancelled midway)."""
+        receiver = getattr(self, "_refit_grpc_state", None)
+        if receiver is None:
+            return {"state": "idle"}
+        return receiver.staged.drop().to_wire()
+
     def _refit_grpc_receiver(self):
         from refit_grpc.vllm_plugin.layerwise import LayerwiseReceiver
 
@@ -119,3 +179,45 @@ class RefitGlooWorkerExtension:
             receiver = LayerwiseReceiver(self.model_runner.get_model(), self.model_config)
             self._refit_grpc_state = receiver
         return receiver
+
+
+def _store_client(host: str, port: int) -> dist.Store:
+    """A client of the trainer's TCPStore (the rendezvous master), bounded."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=STORE_CONNECT_S))
+
+
+class _StatusPublisher:
+    """Publishes a staged receive's status to the trainer's store whenever it changes, until it
+    ended (staged, failed or dropped): the only way its progress reaches the shim through
+    Dynamo, whose routes return fixed bodies."""
+
+    def __init__(self, store: dist.Store, key: str, staged: StagedReceive):
+        self._thread = threading.Thread(target=self._run, args=(store, key, staged),
+                                        daemon=True, name="refit-stage-status")
+        self._thread.start()
+
+    @staticmethod
+    def _run(store: dist.Store, key: str, staged: StagedReceive) -> None:
+        import torch.distributed as dist
+
+        from refit_grpc.wire.vllm import STAGE_RECEIVING
+
+        last = None
+        while True:
+            running = staged.running  # read first: a status read after it ended is final
+            status = staged.status()
+            if status != last:
+                try:
+                    store.set(key, json.dumps(status.to_wire()))
+                except (RuntimeError, dist.DistError) as e:
+                    # The trainer (and its store) is gone: so is the sender, the receive fails
+                    # by itself, and nobody is left to read the status.
+                    log.warning("refit_grpc: staged status not published (%s)", e)
+                    return
+                last = status
+            if not running and status.state != STAGE_RECEIVING:
+                return
+            time.sleep(PUBLISH_POLL_S)

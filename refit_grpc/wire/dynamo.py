@@ -15,7 +15,7 @@ from typing import Any
 
 from refit_grpc.common import GroupSpec
 from refit_grpc.plan import RefitPlan
-from refit_grpc.wire.vllm import init_info_for, update_info_for
+from refit_grpc.wire.vllm import flip_info_for, init_info_for, update_info_for
 
 # Routes, under {system_url}/engine/.
 LIVENESS = "liveness_probe"
@@ -34,6 +34,13 @@ INIT_RPC = "init_broadcaster"
 UPDATE_RPC = "update_weights_from_path"
 DESTROY_RPC = "destroy_broadcaster"
 WORKER_EXTENSION = "refit_grpc.vllm_plugin.dynamo_extension.RefitGlooWorkerExtension"
+
+# Staged epochs (docs/dynamo.md, Staged epochs): more methods of the same extension, reached
+# through update_weights_from_distributed's `engine_rpc`. Dynamo discards a forwarded call's
+# result, so each worker publishes its staged receive's status (`wire.vllm.StageStatus`, JSON)
+# under `stage_status_key(status_key, rank)` in the trainer's TCPStore, where the shim reads it.
+STAGE_RPC = "refit_grpc_stage"
+DROP_STAGED_RPC = "refit_grpc_drop_staged"
 
 # Dynamo shuts the whole worker down (os._exit) when init_weights_update_group outlives this.
 INIT_TIMEOUT_ENV = "DYN_RL_INIT_WEIGHTS_TIMEOUT_S"
@@ -68,3 +75,32 @@ def update_body(plan: RefitPlan, timeout_s: float, abort_key: str | None) -> dic
 
 def destroy_body() -> dict[str, Any]:
     return {"engine_rpc": DESTROY_RPC}
+
+
+def stage_body(plan: RefitPlan, timeout_s: float, status_key: str) -> dict[str, Any]:
+    """The body of the `update_weights_from_distributed` that starts every worker's staged
+    receive (the extension's `refit_grpc_stage`, which returns at once): the plan as for an
+    update, the key prefix its status goes to, and Dynamo's reserved keys for a call on an
+    engine that keeps serving (`allow_unpaused`; then Dynamo requires the prefix cache kept,
+    which the old weights still serve from)."""
+    return {**update_info_for(plan, "gloo", timeout_s), "status_key": status_key,
+            "engine_rpc": STAGE_RPC, "allow_unpaused": True, "reset_prefix_cache": False}
+
+
+def drop_staged_body() -> dict[str, Any]:
+    """The body of the `update_weights_from_distributed` that drops every worker's staged copy
+    and ends a staged receive in flight; the engine keeps serving."""
+    return {"engine_rpc": DROP_STAGED_RPC, "allow_unpaused": True, "reset_prefix_cache": False}
+
+
+def flip_body(plan: RefitPlan, timeout_s: float, staged_digest: str) -> dict[str, Any]:
+    """The body of a staged epoch's flip: an ordinary paused update (`update_weights_from_path`)
+    whose update_info says `source: "staged"`, so the workers load their copies through the
+    in-place receive's own loader; Dynamo resets the prefix cache after it."""
+    return {**flip_info_for(plan, timeout_s, staged_digest), "engine_rpc": UPDATE_RPC,
+            "allow_unpaused": False, "reset_prefix_cache": True}
+
+
+def stage_status_key(status_key: str, rank: int) -> str:
+    """Where the worker of data-group rank `rank` publishes its staged receive's status."""
+    return f"{status_key}/{rank}"

@@ -17,6 +17,10 @@ engine shares lives here, so a new one writes only its routes:
     abort_transfer  pending calls cancelled, then the engine's teardown route (`_teardown`) on
                     a background thread, which the next init waits for (`_join_teardown`)
     checkpoint      the names and shapes of a local checkpoint directory, read once
+    staged epochs   `_await_staged`: the poll of the workers' staged receives (PROGRESS as
+                    buckets land everywhere, their digests must agree, typed failures); each
+                    engine says how it starts and reads them (vLLM: /collective_rpc; Dynamo:
+                    its update route, then the trainer's TCPStore)
 
 Also here: `worker_timeout`, the bound a worker is given for a join or a receive. The HTTP client
 is `http_client.py`, the checkpoint index `checkpoint.py`.
@@ -33,8 +37,14 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
-from refit_grpc.errors import EngineUnavailableError, EpochAbortedError, RefitError
-from refit_grpc.plan import Packing
+from refit_grpc.errors import (
+    CollectiveError,
+    EngineUnavailableError,
+    EpochAbortedError,
+    RefitError,
+    RefitTimeoutError,
+)
+from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.engines.checkpoint import CheckpointIndex
@@ -44,11 +54,46 @@ from refit_grpc.shim.engines.http_client import (
     Reply,
     error_for,
     is_loopback,
+    is_timeout_text,
 )
 from refit_grpc.shim.engines.options import EngineOptions
-from refit_grpc.wire.vllm import APPLIED_RE
+from refit_grpc.wire.vllm import (
+    APPLIED_RE,
+    STAGE_FAILED,
+    STAGE_IDLE,
+    STAGE_STAGED,
+    StageStatus,
+)
 
 log = logging.getLogger(__name__)
+
+
+# How often a stage polls the workers' staged receives: PROGRESS at this granularity (on vLLM
+# each poll is a /collective_rpc, answered between two engine steps: a few ms of the engine loop
+# per second; on Dynamo a read of the trainer's TCPStore, nothing of the engine's).
+STAGE_POLL_S = 0.1
+
+
+def stage_error(failed: list[StageStatus]) -> RefitError:
+    """The typed error of a stage whose workers failed, by the reason the first one reported.
+
+    Args:
+        failed: the failed workers' statuses.
+
+    Returns:
+        `EpochAbortedError` (aborted, group closed), `RefitTimeoutError`, else `CollectiveError`
+        with the worker's reason (RECEIVE_FAILED when it named none).
+    """
+    first = failed[0]
+    message = "stage: " + "; ".join(f"rank {s.rank} failed after {s.landed}/{s.total} "
+                                    f"buckets: {s.error}" for s in failed)
+    if first.reason == Reason.EPOCH_ABORTED or first.reason == Reason.GROUP_CLOSED:
+        return EpochAbortedError(message, reason=first.reason)
+    if first.reason == Reason.DEADLINE_EXCEEDED or is_timeout_text(first.error):
+        return RefitTimeoutError(message)
+    if first.reason in Reason.__members__:
+        return CollectiveError(message, reason=Reason(first.reason))
+    return CollectiveError(message, reason=Reason.RECEIVE_FAILED)
 
 
 def worker_timeout(left_s: float) -> float:
@@ -228,6 +273,59 @@ class HttpEngine(Engine):
             log.info("abort key set for the worker: %s", key)
         else:
             log.info("abort key not set: the worker fails with the trainer")
+
+    # --- staged epochs: the poll every HTTP engine shares ----------------------------------
+
+    def _await_staged(self, plan: RefitPlan, deadline: Deadline,
+                      on_bucket: Callable[[Bucket], None], gen: int,
+                      statuses: list[StageStatus],
+                      poll: Callable[[Deadline], list[StageStatus]]) -> str:
+        """Follow the workers' staged receives (just started, `statuses`) until every bucket
+        landed everywhere; `on_bucket` runs once per bucket landed on every worker.
+
+        Args:
+            plan: the epoch's plan.
+            deadline: the stage's deadline (and its cancel flag).
+            on_bucket: the shim's PROGRESS relay.
+            gen: the HTTP client's generation when the stage began (an abort changes it).
+            statuses: every worker's status right after the start.
+            poll: reads every worker's status again.
+
+        Returns:
+            The staged digest, which every worker holds.
+
+        Raises:
+            RefitError: a worker failed (`stage_error`), the workers staged different bytes
+                (RECEIVE_FAILED), the copies were dropped or the epoch aborted
+                (EPOCH_ABORTED), or the deadline passed.
+        """
+        reported = 0
+        while True:
+            failed = [s for s in statuses if s.state == STAGE_FAILED]
+            if failed:
+                raise stage_error(failed)
+            landed = min(s.landed for s in statuses)
+            for bucket in plan.buckets[reported:landed]:
+                on_bucket(bucket)
+            reported = max(reported, landed)
+            if all(s.state == STAGE_STAGED for s in statuses):
+                digests = {s.digest for s in statuses}
+                if len(digests) != 1:
+                    raise CollectiveError(
+                        "stage: the workers staged different bytes: "
+                        + ", ".join(f"rank {s.rank} {s.digest[:12]}" for s in statuses),
+                        reason=Reason.RECEIVE_FAILED)
+                (digest,) = digests
+                return digest
+            if any(s.state == STAGE_IDLE for s in statuses):
+                raise EpochAbortedError("stage: dropped while receiving",
+                                        reason=Reason.EPOCH_ABORTED)
+            deadline.cancel.wait(min(STAGE_POLL_S, max(deadline.remaining(), 0.0)))
+            deadline.check("stage")
+            if gen != self._http.generation:  # abort_transfer: the workers' group is closing
+                raise EpochAbortedError("stage: aborted while receiving",
+                                        reason=Reason.EPOCH_ABORTED)
+            statuses = poll(deadline)
 
     # --- checkpoint names (check_plan) -----------------------------------------------------
 

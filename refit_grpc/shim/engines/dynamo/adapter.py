@@ -22,6 +22,17 @@ abort key, the background teardown) is `HttpEngine`'s; this module holds Dynamo'
     finish(v)       POST set_weight_version {"weight_version": v}
     abort_transfer  the update's abort key set in the trainer's TCPStore (the worker polls it),
                     then destroy_weights_update_group on a background thread
+    stage           POST update_weights_from_distributed {"engine_rpc": "refit_grpc_stage",
+                    "allow_unpaused": true, "reset_prefix_cache": false, the plan, a status
+                    key}: every worker starts its staged receive beside the engine loop and
+                    answers at once; then each worker's status is read every 0.1 s from the
+                    trainer's TCPStore, where the worker publishes it (Dynamo discards what a
+                    forwarded call returns). The engine serves the old version meanwhile
+    flip(v)         POST update_weights_from_distributed (paused) with `source: "staged"` in
+                    the update_info (the workers load their copies through the receive's own
+                    loader), then set_weight_version
+    drop_staged     POST update_weights_from_distributed {"engine_rpc":
+                    "refit_grpc_drop_staged", "allow_unpaused": true}, on a background thread
 
 Errors: Dynamo answers a failed handler with HTTP 200 and `{"status": "error", "message"}`; that
 is typed like vLLM's HTTP 500 (`dynamo_error`), by what the call was doing. A worker that does
@@ -41,12 +52,19 @@ NOT_SERVING.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
+import logging
 import math
+import socket
+import threading
+import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
+    CollectiveError,
     EngineUnavailableError,
     EpochAbortedError,
     FailedPreconditionError,
@@ -67,6 +85,12 @@ from refit_grpc.shim.engines.http_client import (
 from refit_grpc.shim.engines.http_engine import HttpEngine, HttpEngineOptions, worker_timeout
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire import dynamo as routes
+from refit_grpc.wire.vllm import STAGE_RECEIVING, StageStatus
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 def dynamo_error(reply: Reply, what: str, kind: CallKind) -> RefitError:
@@ -121,6 +145,9 @@ class DynamoEngine(HttpEngine):
         super().__init__(url, packing, options=options, **fields)
         self.init_weights_timeout_s = self.options.init_weights_timeout_s
         self._world_size = self.options.world_size
+        self._staged: tuple[RefitPlan, str] | None = None  # what stage() returned, for flip
+        self._drop_thread: threading.Thread | None = None
+        self._staging_bytes = 0
 
     def _error_for(self, reply: Reply, what: str, kind: CallKind) -> RefitError:
         return dynamo_error(reply, what, kind)
@@ -230,6 +257,148 @@ class DynamoEngine(HttpEngine):
     def _teardown(self, deadline: Deadline) -> None:
         self._post(routes.DESTROY_GROUP, routes.destroy_body(), deadline)
 
+    # --- staged epochs (docs/dynamo.md, Staged epochs) -------------------------------------
+
+    @property
+    def supports_staging(self) -> bool:
+        """The worker extension stages (its workers receive on a thread beside the engine
+        loop); the dynamo engine speaks gloo only, which init_transfer enforces."""
+        return True
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory the workers' staged copies hold, as they last published it."""
+        with self._lock:
+            return self._staging_bytes
+
+    def stage(self, plan: RefitPlan, deadline: Deadline,
+              on_bucket: Callable[[Bucket], None]) -> str:
+        """Start every worker's staged receive (update_weights_from_distributed with the
+        extension's `refit_grpc_stage` and `allow_unpaused`: the call answers at once), then
+        follow their statuses in the trainer's TCPStore until every bucket landed everywhere.
+        The engine is not paused and its weights are not touched.
+
+        Returns:
+            The staged digest (every worker's).
+
+        Raises:
+            RefitError: a worker failed (its reason), the workers disagree, the stage was
+                aborted or ran out of time, the trainer's store is gone, or the worker's
+                extension has no staged receive (STAGING_UNSUPPORTED); nothing is staged then.
+        """
+        self._join_drop(deadline)
+        gen = self._http.generation
+        group = self._group
+        with self._lock:
+            self._staged = None
+        if group is None:
+            raise FailedPreconditionError("stage: no weight-update group; InitCollective first",
+                                          reason=Reason.NO_GROUP)
+        status_key = f"refit_grpc/{group.group_id}/staged/{uuid.uuid4().hex}"
+        left = deadline.check("stage")
+        try:
+            self._post(routes.UPDATE_DISTRIBUTED,
+                       routes.stage_body(plan, worker_timeout(left), status_key), deadline)
+        except FailedPreconditionError as e:
+            if "has no attribute" in e.message and routes.STAGE_RPC in e.message:
+                raise FailedPreconditionError(
+                    f"{e.message} (the worker's extension has no staged receive; start it "
+                    f"with --worker-extension-cls {routes.WORKER_EXTENSION})",
+                    reason=Reason.STAGING_UNSUPPORTED) from e
+            raise
+        except EngineUnavailableError as e:
+            raise self._gone(e, "starting the staged receive") from e
+        store = _connect_store(group, min(self.request_timeout_s,
+                                          max(deadline.remaining(), 0.001)))
+        ranks = range(group.rank, group.rank + self._world_size)
+
+        def poll(d: Deadline) -> list[StageStatus]:
+            return self._read_statuses(store, status_key, ranks, len(plan.buckets))
+
+        digest = self._await_staged(plan, deadline, on_bucket, gen, poll(deadline), poll)
+        with self._lock:
+            self._staged = (plan, digest)
+        return digest
+
+    def flip(self, version: int, deadline: Deadline) -> str:
+        """Load the staged copy into the live weights: the in-place update route, paused, with
+        `source: "staged"` (the worker's side is the receive's own loader: layerwise reload,
+        tied heads, MoE experts, rollback and its applied marker), then commit `version`."""
+        with self._lock:
+            staged = self._staged
+        if staged is None:
+            raise FailedPreconditionError("flip: nothing is staged on this engine",
+                                          reason=Reason.NOT_STAGED)
+        plan, digest = staged
+        gen = self._http.generation
+        with self._lock:
+            self._receiving, self._touched = True, True
+        try:
+            body = routes.flip_body(plan, worker_timeout(deadline.check("flip")), digest)
+            try:
+                self._watched_receive(
+                    lambda _on_cancel: self._post(
+                        routes.UPDATE_DISTRIBUTED, body, deadline, kind=CallKind.RECEIVE,
+                        cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen),
+                    "the flip", deadline, gen, None, None)
+            except EngineUnavailableError as e:
+                raise self._gone(e, "during the flip's load") from e
+        finally:
+            with self._lock:
+                self._receiving = False
+                self._staged = None  # consumed, or no longer trusted after a failed load
+        return self.finish(version, deadline)
+
+    def drop_staged(self) -> None:
+        """Forget the staged copy on every worker and end a staged receive in flight (on a
+        background thread: never blocks; the next stage waits for it)."""
+        with self._lock:
+            self._staged = None
+            if self._drop_thread is not None and self._drop_thread.is_alive():
+                return
+            thread = threading.Thread(target=self._background_drop, daemon=True,
+                                      name="dynamo-drop_staged")
+            self._drop_thread = thread
+        thread.start()
+
+    def _background_drop(self) -> None:
+        try:
+            self._post(routes.UPDATE_DISTRIBUTED, routes.drop_staged_body(),
+                       Deadline(self.request_timeout_s))
+        except RefitError as e:
+            log.info("background drop_staged: %s", e)
+
+    def _join_drop(self, deadline: Deadline) -> None:
+        thread = self._drop_thread
+        if thread is not None and thread.is_alive():
+            thread.join(max(min(deadline.remaining(), self.request_timeout_s), 0.0))
+
+    def _read_statuses(self, store: dist.Store, status_key: str, ranks: range,
+                       buckets: int) -> list[StageStatus]:
+        """Every worker's published status; a worker that has published nothing yet is
+        receiving (its start call answered ok)."""
+        import torch.distributed as dist
+
+        statuses = []
+        try:
+            for rank in ranks:
+                key = routes.stage_status_key(status_key, rank)
+                if store.check([key]):
+                    statuses.append(StageStatus.from_wire(json.loads(store.get(key))))
+                else:
+                    statuses.append(StageStatus(rank=rank, state=STAGE_RECEIVING,
+                                                total=buckets))
+        except (RuntimeError, dist.DistError) as e:
+            raise CollectiveError(f"stage: the trainer's TCPStore, where the workers publish "
+                                  f"their staged receive, no longer answers ({e})",
+                                  reason=Reason.COLLECTIVE_FAILED) from e
+        except (TypeError, ValueError) as e:
+            raise RefitError(f"stage: a worker's staged status is unreadable ({e})",
+                             reason=Reason.ENGINE_ERROR) from e
+        with self._lock:
+            self._staging_bytes = sum(s.staging_bytes for s in statuses)
+        return statuses
+
     # --- extras for trainers, tests and the demo -------------------------------------------
 
     def weight_version(self, deadline: Deadline | None = None) -> Any:
@@ -257,6 +426,25 @@ class DynamoEngine(HttpEngine):
         alive = self.status().healthy
         state = "still answers its liveness probe" if alive else "is gone (no liveness answer)"
         return EngineUnavailableError(f"{error.message}; the worker {state} {context}")
+
+
+def _connect_store(group: GroupSpec, timeout_s: float) -> dist.Store:
+    """A client of the trainer's TCPStore, which must answer within `timeout_s` (probed first:
+    torch's client retries a failed connect after a random delay of seconds)."""
+    import torch.distributed as dist
+
+    try:
+        with socket.create_connection((group.master_address, group.master_port),
+                                      timeout=min(timeout_s, 1.0)):
+            pass
+        return dist.TCPStore(group.master_address, group.master_port, is_master=False,
+                             wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except (OSError, RuntimeError, dist.DistError) as e:
+        raise CollectiveError(f"stage: the trainer's TCPStore at {group.master_address}:"
+                              f"{group.master_port}, where the workers publish their staged "
+                              f"receive, does not answer ({e})",
+                              reason=Reason.COLLECTIVE_FAILED) from e
 
 
 ENGINE = EngineKind(DynamoOptions, DynamoEngine.from_options)

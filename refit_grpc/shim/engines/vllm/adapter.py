@@ -60,28 +60,23 @@ from typing import Any
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
-    CollectiveError,
     EngineUnavailableError,
     EpochAbortedError,
     FailedPreconditionError,
     InvalidPlanError,
     RefitError,
-    RefitTimeoutError,
 )
 from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import EngineStatus
 from refit_grpc.shim.engines.checkpoint import CheckpointIndex
-from refit_grpc.shim.engines.http_client import CallKind, is_timeout_text
+from refit_grpc.shim.engines.http_client import CallKind
 from refit_grpc.shim.engines.http_engine import HttpEngine, HttpEngineOptions, worker_timeout
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire.vllm import (
-    STAGE_FAILED,
-    STAGE_IDLE,
     STAGE_OP_DROP,
     STAGE_OP_START,
     STAGE_OP_STATUS,
-    STAGE_STAGED,
     StageStatus,
     flip_info_for,
     init_info_for,
@@ -91,11 +86,6 @@ from refit_grpc.wire.vllm import (
 )
 
 log = logging.getLogger(__name__)
-
-# How often a stage polls the workers' receive (POST /collective_rpc, answered between two
-# engine steps): PROGRESS at this granularity, a few ms of the engine loop per second.
-STAGE_POLL_S = 0.1
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VLLMOptions(HttpEngineOptions):
@@ -331,35 +321,11 @@ class VLLMEngine(HttpEngine):
         left = deadline.check("stage")
         update = update_info_for(plan, "gloo", worker_timeout(left))
         statuses = self._stage_rpc(STAGE_OP_START, deadline, update)
-        reported = 0
-        while True:
-            failed = [s for s in statuses if s.state == STAGE_FAILED]
-            if failed:
-                raise self._stage_error(failed)
-            landed = min(s.landed for s in statuses)
-            for bucket in plan.buckets[reported:landed]:
-                on_bucket(bucket)
-            reported = max(reported, landed)
-            if all(s.state == STAGE_STAGED for s in statuses):
-                digests = {s.digest for s in statuses}
-                if len(digests) != 1:
-                    raise CollectiveError(
-                        "stage: the workers staged different bytes: "
-                        + ", ".join(f"rank {s.rank} {s.digest[:12]}" for s in statuses),
-                        reason=Reason.RECEIVE_FAILED)
-                (digest,) = digests
-                with self._lock:
-                    self._staged = (plan, digest)
-                return digest
-            if any(s.state == STAGE_IDLE for s in statuses):
-                raise EpochAbortedError("stage: dropped while receiving",
-                                        reason=Reason.EPOCH_ABORTED)
-            deadline.cancel.wait(min(STAGE_POLL_S, max(deadline.remaining(), 0.0)))
-            deadline.check("stage")
-            if gen != self._http.generation:  # abort_transfer: the workers' group is closing
-                raise EpochAbortedError("stage: aborted while receiving",
-                                        reason=Reason.EPOCH_ABORTED)
-            statuses = self._stage_rpc(STAGE_OP_STATUS, deadline)
+        digest = self._await_staged(plan, deadline, on_bucket, gen, statuses,
+                                    lambda d: self._stage_rpc(STAGE_OP_STATUS, d))
+        with self._lock:
+            self._staged = (plan, digest)
+        return digest
 
     def flip(self, version: int, deadline: Deadline) -> str:
         """Load the staged copy into the live weights through the in-place receive's own
@@ -427,20 +393,6 @@ class VLLMEngine(HttpEngine):
         with self._lock:
             self._staging_bytes = sum(s.staging_bytes for s in statuses)
         return statuses
-
-    @staticmethod
-    def _stage_error(failed: list[StageStatus]) -> RefitError:
-        """The typed error of the first failed worker, by the reason it reported."""
-        first = failed[0]
-        message = "stage: " + "; ".join(f"rank {s.rank} failed after {s.landed}/{s.total} "
-                                        f"buckets: {s.error}" for s in failed)
-        if first.reason == Reason.EPOCH_ABORTED or first.reason == Reason.GROUP_CLOSED:
-            return EpochAbortedError(message, reason=first.reason)
-        if first.reason == Reason.DEADLINE_EXCEEDED or is_timeout_text(first.error):
-            return RefitTimeoutError(message)
-        if first.reason in Reason.__members__:
-            return CollectiveError(message, reason=Reason(first.reason))
-        return CollectiveError(message, reason=Reason.RECEIVE_FAILED)
 
     # --- the canary ------------------------------------------------------------------------
 
