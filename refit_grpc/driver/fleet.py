@@ -145,6 +145,10 @@ def _staged_digest_of(plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> s
     return digest.hexdigest()
 
 
+def _endpoint(worker: WorkerEndpoint | Mapping[str, Any]) -> WorkerEndpoint:
+    return worker if isinstance(worker, WorkerEndpoint) else WorkerEndpoint.from_metadata(worker)
+
+
 def _unavailable(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
 
@@ -178,25 +182,29 @@ class Fleet:
         if not workers:
             raise InvalidArgumentError("a fleet needs at least one worker",
                                        reason=Reason.INVALID_ARGUMENT)
-        self.endpoints = tuple(w if isinstance(w, WorkerEndpoint)
-                               else WorkerEndpoint.from_metadata(w) for w in workers)
-        if len({e.instance_id for e in self.endpoints}) != len(self.endpoints):
+        # Every worker the fleet ever had, index-stable (`remove()` marks, never deletes):
+        # the group, the epochs and the reports refer to workers by these indexes.
+        self._endpoints = [_endpoint(w) for w in workers]
+        if len({e.instance_id for e in self._endpoints}) != len(self._endpoints):
             raise InvalidArgumentError("worker instance ids must be unique",
                                        reason=Reason.INVALID_ARGUMENT)
+        self._removed: set[int] = set()
         if overrides.get("security", ...) is None:
             del overrides["security"]  # None: the default, as callers with no TLS pass it
         self.config = replace(config or FleetConfig(), **overrides)
         self.validate_workers = validate_workers
         self._packing = self.config.packing  # the configured one, or negotiated once
-        self._channels = [self.config.security.open(e.address) for e in self.endpoints]
-        self._workers = [WorkerLink(e, pb_grpc.RefitServiceStub(c), self.config.security.metadata())
-                         for e, c in zip(self.endpoints, self._channels)]
-        self._pool = ThreadPoolExecutor(max_workers=min(64, 2 * len(self._workers) + 4),
-                                        thread_name_prefix="fleet")
+        self._channels: list[grpc.Channel] = []
+        self._workers: list[WorkerLink] = []
+        for e in self._endpoints:
+            self._open_link(e)
+        # Threads start on demand, so the bounds cost nothing until used; they leave room for
+        # workers added later (`add()`).
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="fleet")
         # The consumers of epoch streams, apart from `_pool` so that an epoch's streams can
         # never hold up the unary calls (Abort) that end it. Threads start on demand and are
         # reused by later epochs; room for a few epochs still closing next to the open one.
-        self._streams = ThreadPoolExecutor(max_workers=4 * len(self._workers) + 4,
+        self._streams = ThreadPoolExecutor(max_workers=max(4 * len(self._workers) + 4, 256),
                                            thread_name_prefix="epoch-stream")
         self._epochs: list[EpochHandle] = []
         self._epochs_lock = threading.Lock()
@@ -205,13 +213,105 @@ class Fleet:
         self._group_id: str | None = None
         self._joined_instances: tuple[str, ...] | None = None
         self._version = 0
-        # Worker indexes the next group is formed of: every worker but those a staged epoch
-        # left behind (`left_behind`), and those the formed group holds (None: no group).
+        # Worker indexes the next group is formed of: every worker but those removed and those
+        # a staged epoch left behind (`left_behind`), and those the formed group holds (None:
+        # no group). The next epoch forms the group again when the two differ.
         self._members = list(range(len(self._workers)))
         self._group_members: tuple[int, ...] | None = None
         self._left_behind: dict[str, WorkerFailure] = {}
 
     # --- NeMo RL's channel's surface ------------------------------------------------------
+
+    def _open_link(self, e: WorkerEndpoint) -> None:
+        channel = self.config.security.open(e.address)
+        self._channels.append(channel)
+        self._workers.append(WorkerLink(e, pb_grpc.RefitServiceStub(channel),
+                                        self.config.security.metadata()))
+
+    @property
+    def endpoints(self) -> tuple[WorkerEndpoint, ...]:
+        """The fleet's workers, in the order they were given or added (removed ones gone)."""
+        return tuple(e for i, e in enumerate(self._endpoints) if i not in self._removed)
+
+    def _current(self) -> list[int]:
+        return [i for i in range(len(self._endpoints)) if i not in self._removed]
+
+    # --- membership (docs/protocol.md, "Membership") ------------------------------------------
+
+    def add(self, worker: WorkerEndpoint | Mapping[str, Any]) -> None:
+        """Add a worker; it joins at the next epoch boundary: the next `refit()` prepares it,
+        forms the group again with it, and its first epoch (a full one) brings it to the
+        fleet's version.
+
+        Args:
+            worker: its endpoint, or Dynamo-style metadata.
+
+        Raises:
+            InvalidArgumentError: an instance id the fleet already has.
+            FleetStateError: FLEET_CLOSED.
+        """
+        refuse_unless(self.state, _OPEN, "add()")
+        endpoint = _endpoint(worker)
+        if any(e.instance_id == endpoint.instance_id for e in self.endpoints):
+            raise InvalidArgumentError(f"worker {endpoint.instance_id!r} is already in the fleet",
+                                       reason=Reason.INVALID_ARGUMENT)
+        self._endpoints.append(endpoint)
+        self._open_link(endpoint)
+        self._members.append(len(self._endpoints) - 1)
+
+    def remove(self, instance_id: str) -> None:
+        """Remove a worker; it leaves at the next epoch boundary (the next `refit()` forms the
+        group without it). It is not called again: it keeps serving what it holds.
+
+        Args:
+            instance_id: the worker's instance id.
+
+        Raises:
+            InvalidArgumentError: no such worker, or it is the last one.
+        """
+        index = self._index_of(instance_id)
+        if len(self._current()) == 1:
+            raise InvalidArgumentError("a fleet needs at least one worker",
+                                       reason=Reason.INVALID_ARGUMENT)
+        self._removed.add(index)
+        self._members = [i for i in self._members if i != index]
+        self._left_behind.pop(instance_id, None)
+
+    def sync(self, workers: Sequence[WorkerEndpoint | Mapping[str, Any]]
+             ) -> tuple[list[str], list[str]]:
+        """Follow a discovered membership (a workers file an operator edits, Dynamo's worker
+        list): add the workers that appeared, remove those that disappeared. A worker whose
+        address changed is removed and added again (a new instance). Takes effect at the next
+        epoch boundary, as `add()` and `remove()`.
+
+        Args:
+            workers: the membership as discovered now.
+
+        Returns:
+            (instance ids added, instance ids removed).
+        """
+        wanted = {e.instance_id: e for e in map(_endpoint, workers)}
+        if not wanted:
+            raise InvalidArgumentError("a fleet needs at least one worker: an empty discovery "
+                                       "is not followed", reason=Reason.INVALID_ARGUMENT)
+        have = {e.instance_id: e for e in self.endpoints}
+        removed = [i for i, e in have.items() if wanted.get(i) != e]
+        added = [i for i, e in wanted.items() if have.get(i) != e]
+        for instance_id in removed:
+            index = self._index_of(instance_id)
+            self._removed.add(index)
+            self._members = [i for i in self._members if i != index]
+            self._left_behind.pop(instance_id, None)
+        for instance_id in added:
+            self.add(wanted[instance_id])
+        return added, removed
+
+    def _index_of(self, instance_id: str) -> int:
+        for i in self._current():
+            if self._endpoints[i].instance_id == instance_id:
+                return i
+        raise InvalidArgumentError(f"no worker {instance_id!r} in the fleet",
+                                   reason=Reason.INVALID_ARGUMENT)
 
     def client_copy(self) -> Fleet:
         """A copy to ship to rollout actors: endpoints and configuration only.
@@ -256,7 +356,7 @@ class Fleet:
     @property
     def members(self) -> tuple[WorkerEndpoint, ...]:
         """The workers the data group is formed of: every worker but those `left_behind`."""
-        return tuple(self.endpoints[i] for i in self._members)
+        return tuple(self._endpoints[i] for i in self._members)
 
     @property
     def left_behind(self) -> dict[str, WorkerFailure]:
@@ -266,8 +366,9 @@ class Fleet:
         return dict(self._left_behind)
 
     def readmit(self, instance_id: str) -> None:
-        """Bring a worker left behind back into the fleet: the next `connect()` forms the group
-        with it (its next epoch is a full one, so it catches up to the fleet's version).
+        """Bring a worker left behind back into the fleet: the next `refit()` prepares it and
+        forms the group with it (its next epoch is a full one, so it catches up to the fleet's
+        version).
 
         Args:
             instance_id: the worker's instance id, as in `left_behind`.
@@ -279,10 +380,8 @@ class Fleet:
             raise InvalidArgumentError(f"{instance_id!r} is not left behind",
                                        reason=Reason.INVALID_ARGUMENT)
         del self._left_behind[instance_id]
-        self._members = [i for i, e in enumerate(self.endpoints)
-                         if e.instance_id not in self._left_behind]
-        if self._group_id is not None:
-            self._drop_group()  # the next epoch's group must hold it: connect() again
+        self._members = [i for i in self._current()
+                         if self._endpoints[i].instance_id not in self._left_behind]
 
     def _member_links(self, indexes: Sequence[int] | None = None) -> list[WorkerLink]:
         return [self._workers[i] for i in (self._members if indexes is None else indexes)]
@@ -364,12 +463,17 @@ class Fleet:
         if state_dict_info is None:
             raise InvalidArgumentError("state_dict_info is None", reason=Reason.INVALID_PLAN)
         plan = RefitPlan.from_state_dict_info(state_dict_info, self.negotiate_packing())
+        self._prepare_on(plan, self._member_links())
+        self._plan = plan
+        return plan
+
+    def _prepare_on(self, plan: RefitPlan, links: Sequence[WorkerLink]) -> None:
+        """Prepare `plan` on `links` (a no-op on a shim that holds it already)."""
         request = pb.PrepareRequest(
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=DTYPE_TO_PROTO[s.dtype])
                      for s in plan.tensors],
             packing=pb.Packing(buffer_size_bytes=plan.packing.buffer_size_bytes,
                                num_buffers=plan.packing.num_buffers))
-        links = self._member_links()
         answers = self._unary_all("Prepare", lambda w: request, "prepare failed", links)
         bad = [WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
                              grpc.StatusCode.FAILED_PRECONDITION, Reason.PLAN_DIGEST_MISMATCH,
@@ -378,8 +482,6 @@ class Fleet:
         if bad:
             raise FleetError("shims disagree on the plan digest", bad,
                              reason=Reason.PLAN_DIGEST_MISMATCH)
-        self._plan = plan
-        return plan
 
     def init_collective(self, ip: str, port: int, world_size: int, *,
                         train_world_size: int, group_id: str | None = None) -> list[Future]:
@@ -751,7 +853,7 @@ class Fleet:
                 if msg.staged_digest == trainer_digest:
                     staged[i], staged_as[i] = msg, joined.get(i, "")
                 else:
-                    ep = self.endpoints[i]
+                    ep = self._endpoints[i]
                     behind[i] = WorkerFailure(
                         ep.instance_id, ep.address, grpc.StatusCode.DATA_LOSS,
                         Reason.STAGED_DIGEST_MISMATCH, f"staged {msg.staged_digest[:16]}, the "
@@ -762,14 +864,14 @@ class Fleet:
             if reforms >= _MAX_REFORMS:
                 for i in retry:  # failed round after round: no more rounds for them
                     behind.setdefault(i, next(f for f in failures
-                                              if f.instance_id == self.endpoints[i].instance_id))
+                                              if f.instance_id == self._endpoints[i].instance_id))
                 break
             # Re-form the group among the engines that still need the bytes; those STAGED keep
             # their copies and wait for the flip.
             reforms += 1
             log.warning("epoch %d: %d staged, %d left behind (%s); re-forming the group for %d",
                         version, len(staged), len(behind),
-                        ", ".join(self.endpoints[i].instance_id for i in behind), len(retry))
+                        ", ".join(self._endpoints[i].instance_id for i in behind), len(retry))
             self._reform(link, retry)
             pending = retry
         return self._finish_staged(version, plan, staged, staged_as, behind, trainer_digest,
@@ -821,7 +923,7 @@ class Fleet:
         staged: dict[int, pb.UpdateWeightsResponse] = {}
         behind: dict[int, WorkerFailure] = {}
         for i, msg in zip(indexes, finals):
-            ep = self.endpoints[i]
+            ep = self._endpoints[i]
             if msg is not None and msg.staged_digest == staged_digest:
                 staged[i] = msg
             elif msg is not None:
@@ -855,7 +957,7 @@ class Fleet:
             raise QuorumError(f"epoch {version}: {len(staged)} of {len(self._members)} engines "
                               f"staged it, {required} required; nothing flipped, every engine "
                               "serves the previous version",
-                              list(behind.values()), staged=[self.endpoints[i].instance_id
+                              list(behind.values()), staged=[self._endpoints[i].instance_id
                                                              for i in staged])
         flipped, flip_failures = self._flip(version, digest, staged_as, pause_mode,
                                             stay_paused=verify_weights or canary is not None)
@@ -865,7 +967,7 @@ class Fleet:
         if len(flipped) < required:
             raise QuorumError(f"epoch {version}: {len(flipped)} engines flipped to it, "
                               f"{required} required", list(behind.values()),
-                              staged=[self.endpoints[i].instance_id for i in flipped])
+                              staged=[self._endpoints[i].instance_id for i in flipped])
         links = self._member_links(list(flipped))
         answers = list(flipped.values())
         as_committed = [pb.UpdateWeightsResponse(weights_digest=a.weights_digest,
@@ -882,7 +984,7 @@ class Fleet:
             version=version, bytes=plan.total_bytes, seconds=time.monotonic() - started,
             broadcast_seconds=broadcast_s,
             workers=tuple(WorkerReport(
-                self.endpoints[i].instance_id, staged[i].seconds, staged[i].bytes_received,
+                self._endpoints[i].instance_id, staged[i].seconds, staged[i].bytes_received,
                 a.weights_digest, canary.gap(a.canary) if canary else None,
                 a.canary.seconds if canary else None, stall_seconds=a.stall_seconds,
                 load_seconds=a.load_seconds) for i, a in flipped.items()),
@@ -895,7 +997,7 @@ class Fleet:
         instance, not BROKEN, and whose failure the round's abort or a dead peer explains; the
         rest caused the failure or refused on their own."""
         by_id = {f.instance_id: f for f in failures}
-        failed = [i for i in pending if self.endpoints[i].instance_id in by_id
+        failed = [i for i in pending if self._endpoints[i].instance_id in by_id
                   and i not in behind]
         if not failed:
             return []
@@ -914,7 +1016,7 @@ class Fleet:
         retry = []
         joined = dict(zip(self._group_members or (), self._joined_instances or ()))
         for i, answer in zip(failed, answers):
-            f = by_id[self.endpoints[i].instance_id]
+            f = by_id[self._endpoints[i].instance_id]
             alive = isinstance(answer, pb.DescribeResponse) \
                 and answer.instance_id == joined.get(i, answer.instance_id) \
                 and answer.state != pb.SHIM_STATE_BROKEN
@@ -933,6 +1035,10 @@ class Fleet:
         ip = link.group.spec.master_address
         link.close()
         self._drop_group()
+        # A worker added (or restarted and readmitted) since has no plan; for the others
+        # Prepare of the plan they hold is a no-op.
+        assert self._plan is not None  # a fleet with a group has a plan
+        self._prepare_on(self._plan, self._member_links(members))
         everyone = self._members
         self._members = list(members)
         try:
@@ -977,7 +1083,7 @@ class Fleet:
         """Engines a staged epoch went on without leave the fleet's groups until `readmit()`;
         the next `refit()` forms the group again without them."""
         for i, f in behind.items():
-            self._left_behind[self.endpoints[i].instance_id] = f
+            self._left_behind[self._endpoints[i].instance_id] = f
         self._members = [i for i in self._members if i not in behind]
 
     def flush_cache(self, mode: PauseMode = PauseMode.WAIT) -> bool:
@@ -1036,7 +1142,7 @@ class Fleet:
         Returns:
             One entry per worker, in fleet order: its answer, or None when it did not answer.
         """
-        return self._abort_links(reason, self._workers)
+        return self._abort_links(reason, [self._workers[i] for i in self._current()])
 
     def _abort_links(self, reason: str, links: Sequence[WorkerLink]
                      ) -> list[pb.AbortResponse | None]:
@@ -1097,7 +1203,7 @@ class Fleet:
                     links: Sequence[WorkerLink] | None = None) -> list:
         """One call per worker (of `links`, by default every worker) in parallel: each answer,
         or the worker's failure."""
-        links = self._workers if links is None else links
+        links = [self._workers[i] for i in self._current()] if links is None else links
         futures = [self._pool.submit(self._call, w, method, make_request(w)) for w in links]
         out: list = []
         for w, f in zip(links, futures):

@@ -1,0 +1,102 @@
+"""An elastic fleet: workers added, removed and followed from discovery take effect at the next
+epoch boundary, the trainer calling nothing but `refit()` (real gRPC on loopback, real gloo
+groups, reference engines in store mode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit_grpc import Fleet, Packing, WorkerEndpoint
+from refit_grpc.errors import InvalidArgumentError
+from refit_grpc.plan import weights_digest
+from refit_grpc.proto import pb
+from refit_grpc.shim.engines.reference import ReferenceEngine
+from refit_grpc.shim.service import ShimConfig
+
+from support import InProcessShim, info
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return {f"layer.{i}": torch.randn(64 * 1024, generator=g) for i in range(4)}
+
+
+@pytest.fixture
+def shims():
+    made: list[InProcessShim] = []
+
+    def make() -> InProcessShim:
+        s = InProcessShim(ReferenceEngine(model=None), ShimConfig(max_epoch_s=20))
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def endpoint(name: str, shim: InProcessShim) -> WorkerEndpoint:
+    return WorkerEndpoint(name, shim.address)
+
+
+def versions(*shims: InProcessShim) -> list[int]:
+    return [s.describe().weight_version for s in shims]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "staged"])
+def test_added_and_removed_workers_take_effect_at_the_next_epoch(shims, mode):
+    a, b, c = shims(), shims(), shims()
+    with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 16, 2),
+               epoch_timeout_s=20) as fleet:
+        fleet.prepare(info(weights(1)))
+        link = fleet.connect("127.0.0.1")
+        fleet.refit(link, weights(1), mode=mode)
+
+        fleet.add(endpoint("c", c))  # no plan yet, not in the group: the next refit does both
+        assert [e.instance_id for e in fleet.members] == ["a", "b", "c"]
+        report = fleet.refit(link, weights(2), mode=mode, verify_weights=True)
+        assert [w.instance_id for w in report.workers] == ["a", "b", "c"]
+        assert {w.weights_digest for w in report.workers} == {weights_digest(weights(2).items())}
+        assert versions(a, b, c) == [2, 2, 2]
+
+        fleet.remove("a")
+        assert [e.instance_id for e in fleet.endpoints] == ["b", "c"]
+        report = fleet.refit(link, weights(3), mode=mode)
+        assert [w.instance_id for w in report.workers] == ["b", "c"]
+        assert versions(a, b, c) == [2, 3, 3]  # a is not called again; it serves what it had
+        assert not a.describe().paused
+        assert [e.instance_id for e in fleet.endpoints] == ["b", "c"]
+        assert fleet.inference_world_size == 2
+
+
+def test_a_discovered_membership_is_followed(shims):
+    a, b, c = shims(), shims(), shims()
+    with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 16, 2),
+               epoch_timeout_s=20) as fleet:
+        fleet.prepare(info(weights(1)))
+        link = fleet.connect("127.0.0.1")
+        fleet.refit(link, weights(1))
+        # The discovery now lists b and c: c appeared, a disappeared.
+        added, removed = fleet.sync([{"instance_id": "b", "address": b.address},
+                                     {"instance_id": "c", "address": c.address}])
+        assert (added, removed) == (["c"], ["a"])
+        assert fleet.sync([endpoint("b", b), endpoint("c", c)]) == ([], [])
+        report = fleet.refit(link, weights(2))
+        assert [w.instance_id for w in report.workers] == ["b", "c"]
+        assert versions(a, b, c) == [1, 2, 2]
+        d = c.describe()
+        assert (d.state, d.weight_version) == (pb.SHIM_STATE_READY, 2)
+
+
+def test_membership_misuse_is_refused_typed(shims):
+    a = shims()
+    with Fleet([endpoint("a", a)]) as fleet:
+        with pytest.raises(InvalidArgumentError, match="already in the fleet"):
+            fleet.add(endpoint("a", a))
+        with pytest.raises(InvalidArgumentError, match="no worker"):
+            fleet.remove("zz")
+        with pytest.raises(InvalidArgumentError, match="at least one worker"):
+            fleet.remove("a")
+        with pytest.raises(InvalidArgumentError, match="at least one worker"):
+            fleet.sync([])
