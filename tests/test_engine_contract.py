@@ -30,6 +30,7 @@ from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.engines.dynamo import DynamoEngine
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.engines.vllm import VLLMEngine
+from refit_grpc.staging import StagedDigest
 
 from dynamo_support import require_dynamo
 from support import info, join_trainer
@@ -329,6 +330,50 @@ def test_a_full_transfer_leaves_the_trainers_weights(subject):
     subject.holds(plan, weights, version)
     print(f"\n{engine.kind}: {plan.total_bytes} bytes in {len(plan.buckets)} buckets, join to "
           f"verified in {time.monotonic() - t0:.2f}s")
+
+
+def test_a_staged_epoch_serves_the_old_weights_until_the_flip(subject):
+    """An engine that stages receives the whole epoch while serving (never paused) and keeps
+    the old weights until `flip`, which loads exactly what was staged; its staged digest is the
+    trainer's. One that cannot stage says so (STAGING_UNSUPPORTED) without touching anything."""
+    engine, plan = subject.engine, subject.plan()
+    if not engine.supports_staging:
+        with pytest.raises(RefitError) as e:
+            engine.stage(plan, Deadline(STEP_S), lambda b: None)
+        assert e.value.reason == Reason.STAGING_UNSUPPORTED
+        return
+    old, new = perturbed(subject.base, seed=5), perturbed(subject.base, seed=6)
+    old_version = next(_versions)
+    transfer(engine, plan, old, old_version)
+    engine.resume(Deadline(STEP_S))
+    joined = form_group(engine, plan)
+    try:
+        landed: list[Bucket] = []
+        box: dict = {}
+
+        def stage() -> None:
+            try:
+                box["digest"] = engine.stage(plan, Deadline(EPOCH_S), landed.append)
+            except BaseException as e:  # noqa: BLE001  (asserted below)
+                box["error"] = e
+
+        thread = threading.Thread(target=stage, daemon=True, name="contract-stage")
+        thread.start()
+        checksums = StagedDigest(plan)
+        Sender(joined.trainer, plan).send(new, Deadline(EPOCH_S), checksums=checksums)
+        thread.join(EPOCH_S)
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+        assert box["digest"] == checksums.hexdigest()
+        assert sorted(b.index for b in landed) == [b.index for b in plan.buckets]
+        assert not engine.status().paused  # staging never pauses
+        subject.holds(plan, old, old_version)  # it serves the old weights: they did not move
+        engine.pause(PauseMode.KEEP, Deadline(STEP_S))
+        new_version = next(_versions)
+        engine.flip(new_version, Deadline(EPOCH_S))
+        assert engine.reset_cache(Deadline(STEP_S))
+        subject.holds(plan, new, new_version)
+    finally:
+        joined.trainer.close()
 
 
 def test_the_canary_is_computed_with_the_new_weights_before_the_engine_serves(subject):
