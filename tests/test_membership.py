@@ -100,3 +100,63 @@ def test_membership_misuse_is_refused_typed(shims):
             fleet.remove("a")
         with pytest.raises(InvalidArgumentError, match="at least one worker"):
             fleet.sync([])
+
+
+def test_twenty_staged_epochs_with_random_adds_removes_and_kills(shim_procs):
+    """Seeded churn, real shim processes and real SIGKILLs: after every epoch each member holds
+    exactly the trainer's weights at that version; the dead are left behind, restarted ones
+    readmitted and caught up by the next epoch."""
+    import random
+    import signal
+
+    from support import describe_or_none
+
+    rng = random.Random(20261203)
+    names = iter(f"w{i}" for i in range(100))
+    procs = {}
+
+    def start(name: str, address: str | None = None):
+        args = ["--model", "none", "--instance-id", name] + (["--address", address]
+                                                              if address else [])
+        procs[name] = shim_procs(*args)
+        return procs[name]
+
+    first = [start(next(names)) for _ in range(3)]
+    dead: list[str] = []
+    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in first],
+               packing=Packing(1 << 16, 2), epoch_timeout_s=20, control_timeout_s=5) as fleet:
+        fleet.prepare(info(weights(1)))
+        link = fleet.connect("127.0.0.1")
+        events = []
+        for version in range(1, 21):
+            members = [e.instance_id for e in fleet.members]
+            action = rng.choice(["none", "none", "add", "remove", "kill", "restart"])
+            if action == "add":
+                fleet.add(WorkerEndpoint((s := start(next(names))).instance_id, s.address))
+            elif action == "remove" and len(members) > 1:
+                fleet.remove(rng.choice(members))
+            elif action == "kill" and len(members) > 1:
+                victim = rng.choice(members)
+                procs[victim].signal(signal.SIGKILL)
+                procs[victim].proc.wait(10)
+                dead.append(victim)
+            elif action == "restart" and dead:
+                name = dead.pop(0)
+                start(name, procs[name].address)
+                if name in fleet.left_behind:
+                    fleet.readmit(name)
+            else:
+                action = "none"
+            events.append(action)
+            tensors = weights(version)
+            report = fleet.refit(link, tensors, version=version, mode="staged", min_engines=1)
+            want = weights_digest(tensors.items())
+            assert {w.instance_id for w in report.workers} == \
+                {e.instance_id for e in fleet.members}, (version, events)
+            for e in fleet.members:
+                d = describe_or_none(e.address)
+                assert d is not None and d.weight_version == version, (e.instance_id, events)
+                assert d.weights_digest == want, (e.instance_id, version, events)
+        assert set(events) >= {"add", "kill", "restart"}, events
+    print(f"\nCHURN 20 staged epochs: {events}; finally {len(fleet.members)} members, "
+          f"{len(fleet.left_behind)} left behind")
