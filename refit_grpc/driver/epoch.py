@@ -194,30 +194,12 @@ class EpochHandle:
             EpochFailedError: a worker failed; names each failure, root causes first.
             FleetTimeoutError: the only failures are workers with no COMMITTED in time.
         """
-        end = min(self.deadline_at + 2.0, time.monotonic() + (timeout_s or float("inf")))
-        with self._changed:
-            while not all(ev.is_set() for ev in self._done):
-                if any(f is not None for f in self._failures):
-                    break
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(min(left, 0.5))
-            if all(ev.is_set() for ev in self._done) and not any(self._failures):
+        if self._wait_until_ended(timeout_s):
+            with self._changed:
                 return [c for c in self._committed if c is not None]
-        self.abort(f"epoch {self.version} failed")
-        self._settle(_SETTLE_AFTER_FAILURE_S)
-        self.cancel()
-        failures = [f for _, f in self._failures_so_far()]
-        failed_ids = {f.instance_id for f in failures}
-        unfinished = [w.endpoint for w, ev in zip(self._workers, self._done)
-                      if not ev.is_set() and w.endpoint.instance_id not in failed_ids]
-        failures += [WorkerFailure(e.instance_id, e.address, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   Reason.COMMIT_TIMEOUT, "no COMMITTED within the deadline")
-                     for e in unfinished]
-        cls = FleetTimeoutError if unfinished and len(failures) == len(unfinished) \
-            else EpochFailedError
-        raise cls(f"epoch {self.version} failed", root_causes_first(failures))
+        failures, silent = self._failures_after_abort()
+        cls = FleetTimeoutError if silent and len(failures) == silent else EpochFailedError
+        raise cls(f"epoch {self.version} failed", failures)
 
     def abort(self, reason: str) -> None:
         """Abort the epoch's workers once (every later call is a no-op): all of them, or in a
@@ -254,6 +236,15 @@ class EpochHandle:
             ended), in fleet order; and the failures, root causes first, a worker with no
             STAGED in time named COMMIT_TIMEOUT.
         """
+        failures = [] if self._wait_until_ended(timeout_s) else self._failures_after_abort()[0]
+        with self._changed:
+            finals = [m if ev.is_set() and self._failures[i] is None else None
+                      for i, (m, ev) in enumerate(zip(self._committed, self._done))]
+        return finals, failures
+
+    def _wait_until_ended(self, timeout_s: float | None) -> bool:
+        """Block until every stream ended or one failed (bounded by `timeout_s`, by default
+        the epoch's deadline plus 2 s); True when every stream ended and none failed."""
         end = min(self.deadline_at + 2.0, time.monotonic() + (timeout_s or float("inf")))
         with self._changed:
             while not all(ev.is_set() for ev in self._done):
@@ -263,22 +254,27 @@ class EpochHandle:
                 if left <= 0:
                     break
                 self._changed.wait(min(left, 0.5))
-            clean = all(ev.is_set() for ev in self._done) and not any(self._failures)
-        if not clean:
-            self.abort(f"epoch {self.version} failed")
-            self._settle(_SETTLE_AFTER_FAILURE_S)
-            self.cancel()
+            return all(ev.is_set() for ev in self._done) and not any(self._failures)
+
+    def _failures_after_abort(self) -> tuple[list[WorkerFailure], int]:
+        """The epoch failed: abort it (`abort`), let the streams settle, cancel the rest.
+
+        Returns:
+            Every failure, root causes first, a worker whose stream is still open named
+            COMMIT_TIMEOUT; and how many of those silent workers there are.
+        """
+        self.abort(f"epoch {self.version} failed")
+        self._settle(_SETTLE_AFTER_FAILURE_S)
+        self.cancel()
         failures = [f for _, f in self._failures_so_far()]
         failed_ids = {f.instance_id for f in failures}
-        with self._changed:
-            finals = [m if ev.is_set() and self._failures[i] is None else None
-                      for i, (m, ev) in enumerate(zip(self._committed, self._done))]
-        failures += [WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
-                                   grpc.StatusCode.DEADLINE_EXCEEDED, Reason.COMMIT_TIMEOUT,
-                                   "no STAGED within the deadline")
-                     for w, m in zip(self._workers, finals)
-                     if m is None and w.endpoint.instance_id not in failed_ids]
-        return finals, root_causes_first(failures)
+        final = "STAGED" if self.staged else "COMMITTED"
+        silent = [WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
+                                grpc.StatusCode.DEADLINE_EXCEEDED, Reason.COMMIT_TIMEOUT,
+                                f"no {final} within the deadline")
+                  for w, ev in zip(self._workers, self._done)
+                  if not ev.is_set() and w.endpoint.instance_id not in failed_ids]
+        return root_causes_first(failures + silent), len(silent)
 
     def cancel(self) -> None:
         """Cancel every stream still open (the shims see their caller go away)."""

@@ -20,7 +20,9 @@ engine shares lives here, so a new one writes only its routes:
     staged epochs   `_await_staged`: the poll of the workers' staged receives (PROGRESS as
                     buckets land everywhere, their digests must agree, typed failures); each
                     engine says how it starts and reads them (vLLM: /collective_rpc; Dynamo:
-                    its update route, then the trainer's TCPStore)
+                    its update route, then the trainer's TCPStore); `drop_staged` on a
+                    background thread (`_post_drop_staged`, the engine's call), which the next
+                    stage waits for (`_join_drop`); `staging_bytes` as the workers reported
 
 Also here: `worker_timeout`, the bound a worker is given for a join or a receive. The HTTP client
 is `http_client.py`, the checkpoint index `checkpoint.py`.
@@ -154,6 +156,11 @@ class HttpEngine(Engine):
         self._receiving = False
         self._touched = False         # weights may differ from the last committed version
         self._teardown_thread: threading.Thread | None = None
+        # Staged epochs: what stage() returned (for flip), the background drop, and the host
+        # memory the workers' staged copies hold as they last reported it.
+        self._staged: tuple[RefitPlan, str] | None = None
+        self._drop_thread: threading.Thread | None = None
+        self._staging_bytes = 0
 
     @classmethod
     def from_options(cls, options: HttpEngineOptions, packing: Packing) -> HttpEngine:
@@ -275,6 +282,40 @@ class HttpEngine(Engine):
             log.info("abort key not set: the worker fails with the trainer")
 
     # --- staged epochs: the poll every HTTP engine shares ----------------------------------
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory the workers' staged copies hold (one copy of the plan per worker), as
+        they last reported it; 0 before the first staged epoch."""
+        with self._lock:
+            return self._staging_bytes
+
+    def drop_staged(self) -> None:
+        """Forget the staged copy on every worker and end a staged receive in flight (on a
+        background thread: never blocks; the next stage waits for it, `_join_drop`)."""
+        with self._lock:
+            self._staged = None
+            if self._drop_thread is not None and self._drop_thread.is_alive():
+                return
+            thread = threading.Thread(target=self._background_drop, daemon=True,
+                                      name=f"{self.kind}-drop_staged")
+            self._drop_thread = thread
+        thread.start()
+
+    def _background_drop(self) -> None:
+        try:
+            self._post_drop_staged(Deadline(self.request_timeout_s))
+        except RefitError as e:
+            log.info("background drop_staged: %s", e)
+
+    def _post_drop_staged(self, deadline: Deadline) -> None:
+        """The engine's call that makes every worker forget its staged copy (and end a staged
+        receive in flight); an engine that does not stage has nothing to drop."""
+
+    def _join_drop(self, deadline: Deadline) -> None:
+        thread = self._drop_thread
+        if thread is not None and thread.is_alive():
+            thread.join(max(min(deadline.remaining(), self.request_timeout_s), 0.0))
 
     def _await_staged(self, plan: RefitPlan, deadline: Deadline,
                       on_bucket: Callable[[Bucket], None], gen: int,

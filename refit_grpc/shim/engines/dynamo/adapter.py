@@ -57,7 +57,6 @@ import json
 import logging
 import math
 import socket
-import threading
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -145,9 +144,6 @@ class DynamoEngine(HttpEngine):
         super().__init__(url, packing, options=options, **fields)
         self.init_weights_timeout_s = self.options.init_weights_timeout_s
         self._world_size = self.options.world_size
-        self._staged: tuple[RefitPlan, str] | None = None  # what stage() returned, for flip
-        self._drop_thread: threading.Thread | None = None
-        self._staging_bytes = 0
 
     def _error_for(self, reply: Reply, what: str, kind: CallKind) -> RefitError:
         return dynamo_error(reply, what, kind)
@@ -265,12 +261,6 @@ class DynamoEngine(HttpEngine):
         loop); the dynamo engine speaks gloo only, which init_transfer enforces."""
         return True
 
-    @property
-    def staging_bytes(self) -> int:
-        """Host memory the workers' staged copies hold, as they last published it."""
-        with self._lock:
-            return self._staging_bytes
-
     def stage(self, plan: RefitPlan, deadline: Deadline,
               on_bucket: Callable[[Bucket], None]) -> str:
         """Start every worker's staged receive (update_weights_from_distributed with the
@@ -349,29 +339,8 @@ class DynamoEngine(HttpEngine):
                 self._staged = None  # consumed, or no longer trusted after a failed load
         return self.finish(version, deadline)
 
-    def drop_staged(self) -> None:
-        """Forget the staged copy on every worker and end a staged receive in flight (on a
-        background thread: never blocks; the next stage waits for it)."""
-        with self._lock:
-            self._staged = None
-            if self._drop_thread is not None and self._drop_thread.is_alive():
-                return
-            thread = threading.Thread(target=self._background_drop, daemon=True,
-                                      name="dynamo-drop_staged")
-            self._drop_thread = thread
-        thread.start()
-
-    def _background_drop(self) -> None:
-        try:
-            self._post(routes.UPDATE_DISTRIBUTED, routes.drop_staged_body(),
-                       Deadline(self.request_timeout_s))
-        except RefitError as e:
-            log.info("background drop_staged: %s", e)
-
-    def _join_drop(self, deadline: Deadline) -> None:
-        thread = self._drop_thread
-        if thread is not None and thread.is_alive():
-            thread.join(max(min(deadline.remaining(), self.request_timeout_s), 0.0))
+    def _post_drop_staged(self, deadline: Deadline) -> None:
+        self._post(routes.UPDATE_DISTRIBUTED, routes.drop_staged_body(), deadline)
 
     def _read_statuses(self, store: dist.Store, status_key: str, ranks: range,
                        buckets: int) -> list[StageStatus]:

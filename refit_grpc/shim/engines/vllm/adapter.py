@@ -53,7 +53,6 @@ import dataclasses
 import hashlib
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,9 +111,6 @@ class VLLMEngine(HttpEngine):
         self._world_size: int | None = None
         self._backend = "gloo"
         self._model_name: str | None = None  # /v1/models id, for the canary's request
-        self._staged: tuple[RefitPlan, str] | None = None  # what stage() returned, for flip
-        self._drop_thread: threading.Thread | None = None
-        self._staging_bytes = 0
 
     # --- the engine interface --------------------------------------------------------------
 
@@ -293,13 +289,6 @@ class VLLMEngine(HttpEngine):
         with self._lock:
             return self._backend == "gloo"
 
-    @property
-    def staging_bytes(self) -> int:
-        """Host memory the workers' staged copies hold (one copy of the plan per worker), as
-        they last reported it; 0 before the first staged epoch."""
-        with self._lock:
-            return self._staging_bytes
-
     def stage(self, plan: RefitPlan, deadline: Deadline,
               on_bucket: Callable[[Bucket], None]) -> str:
         """Start every worker's background receive into its staged copy (POST /collective_rpc,
@@ -345,28 +334,8 @@ class VLLMEngine(HttpEngine):
             self._staged = None  # the workers consumed their copies
         return self.finish(version, deadline)
 
-    def drop_staged(self) -> None:
-        """Forget the staged copy on every worker and end a staged receive in flight (on a
-        background thread: never blocks; the next stage waits for it)."""
-        with self._lock:
-            self._staged = None
-            if self._drop_thread is not None and self._drop_thread.is_alive():
-                return
-            thread = threading.Thread(target=self._background_drop, daemon=True,
-                                      name="vllm-drop_staged")
-            self._drop_thread = thread
-        thread.start()
-
-    def _background_drop(self) -> None:
-        try:
-            self._stage_rpc(STAGE_OP_DROP, Deadline(self.request_timeout_s))
-        except RefitError as e:
-            log.info("background drop_staged: %s", e)
-
-    def _join_drop(self, deadline: Deadline) -> None:
-        thread = self._drop_thread
-        if thread is not None and thread.is_alive():
-            thread.join(max(min(deadline.remaining(), self.request_timeout_s), 0.0))
+    def _post_drop_staged(self, deadline: Deadline) -> None:
+        self._stage_rpc(STAGE_OP_DROP, deadline)
 
     def _stage_rpc(self, op: str, deadline: Deadline,
                    update: dict[str, Any] | None = None) -> list[StageStatus]:
