@@ -36,6 +36,7 @@ from torch.distributed import TCPStore
 from refit_grpc.canary import Canary
 from refit_grpc.collective import Group, bind_master_store, pack_into
 from refit_grpc.common import EpochMode, GroupSpec, PauseMode
+from refit_grpc.delta import flat_copy, send_delta
 from refit_grpc.driver.config import FleetConfig, FleetState, FleetStateError, refuse_unless
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback, WorkerLink
@@ -111,6 +112,8 @@ class EpochReport:
         mode: the epoch's mode.
         left_behind: staged: the engines it went on without, and why (`Fleet.left_behind`).
         reforms: staged: how many times the group was formed again without failed engines.
+        delta: staged: whether the buckets went as deltas.
+        wire_bytes: staged: the bytes that crossed, every round.
     """
 
     version: int
@@ -121,6 +124,8 @@ class EpochReport:
     mode: EpochMode = EpochMode.IN_PLACE
     left_behind: tuple[WorkerFailure, ...] = ()
     reforms: int = 0
+    delta: bool = False   # sent as deltas (refit(delta=True) against a matching base)
+    wire_bytes: int = 0   # staged: bytes on the wire over every round (headers included)
 
     @property
     def stall_seconds(self) -> float | None:
@@ -219,6 +224,9 @@ class Fleet:
         self._members = list(range(len(self._workers)))
         self._group_members: tuple[int, ...] | None = None
         self._left_behind: dict[str, WorkerFailure] = {}
+        # Delta epochs: (version, staged digest, the plan's bytes) of the last staged epoch
+        # that flipped with delta=True, the trainer's one extra copy (`refit_grpc.delta`).
+        self._delta_base: tuple[int, str, torch.Tensor] | None = None
 
     # --- NeMo RL's channel's surface ------------------------------------------------------
 
@@ -657,7 +665,8 @@ class Fleet:
 
     def _open_epoch(self, version: int | None, pause_mode: PauseMode,
                     on_progress: ProgressCallback | None, verify_weights: bool,
-                    canary: Canary | None, mode: EpochMode) -> EpochHandle:
+                    canary: Canary | None, mode: EpochMode,
+                    delta_base: tuple[int, str] | None = None) -> EpochHandle:
         plan = self._plan_for("update_weights()", (FleetState.CONNECTED,))
         self._check_membership()
         version = self._version + 1 if version is None else version
@@ -675,7 +684,11 @@ class Fleet:
                                             canary=canary.to_proto() if canary else None,
                                             mode=EPOCH_MODE_TO_PROTO[mode],
                                             flip_timeout_s=self.config.flip_timeout_s
-                                            if mode is EpochMode.STAGED else 0.0)
+                                            if mode is EpochMode.STAGED else 0.0,
+                                            delta_base_version=delta_base[0] if delta_base
+                                            else 0,
+                                            delta_base_digest=delta_base[1] if delta_base
+                                            else "")
                     for instance_id in joined]
         refuse_unless(self.state, (FleetState.CONNECTED,), "update_weights()")
         handle = EpochHandle(links, version, requests, self.config.epoch_timeout_s,
@@ -692,7 +705,7 @@ class Fleet:
               verify_weights: bool = False,
               canary: Canary | None = None,
               mode: EpochMode | str = EpochMode.IN_PLACE,
-              min_engines: int | None = None) -> EpochReport:
+              min_engines: int | None = None, delta: bool = False) -> EpochReport:
         """One whole epoch, in place or staged.
 
         In place (the default): UpdateWeights everywhere, wait for every ACCEPTED, broadcast,
@@ -725,6 +738,11 @@ class Fleet:
             mode: `EpochMode.IN_PLACE` / "in_place" or `EpochMode.STAGED` / "staged".
             min_engines: staged only: how many engines must stage the new version for the
                 fleet to flip; by default every member.
+            delta: staged only: send each bucket as what changed since the last staged epoch
+                (`refit_grpc.delta`) when every member's committed copy is that epoch's (its
+                version and staged digest, fenced by the shims too); otherwise, and on the
+                first such epoch, a full one. The fleet then keeps one copy of the last version
+                sent (`delta_base_bytes`).
 
         Returns:
             The epoch's report: version, bytes, times, one `WorkerReport` per engine that
@@ -752,13 +770,16 @@ class Fleet:
             raise InvalidArgumentError(f"mode must be one of {[m.value for m in EpochMode]}, "
                                        f"got {mode!r}", reason=Reason.INVALID_EPOCH_MODE) from None
         link.sender.check_tensors(tensors)  # refuse bad input before any shim pauses
+        if delta and mode is not EpochMode.STAGED:
+            raise InvalidArgumentError("delta=True is for staged epochs (mode=\"staged\")",
+                                       reason=Reason.INVALID_DELTA)
         if self.state is FleetState.CONNECTED and self._group_members != tuple(self._members):
             # A staged epoch went on without some engines: the group is formed again of the
             # members (the trainer calls nothing else; only the gloo link can).
             self._reform(link, self._members)
         if mode is EpochMode.STAGED:
             return self._refit_staged(link, tensors, version, pause_mode, on_progress,
-                                      verify_weights, canary, min_engines)
+                                      verify_weights, canary, min_engines, delta)
         if min_engines is not None:
             raise InvalidArgumentError("min_engines is for staged epochs: an in-place epoch "
                                        "cannot leave an engine behind unharmed",
@@ -811,7 +832,8 @@ class Fleet:
     def _refit_staged(self, link: TrainerLink, tensors: Mapping[str, torch.Tensor],
                       version: int | None, pause_mode: PauseMode,
                       on_progress: ProgressCallback | None, verify_weights: bool,
-                      canary: Canary | None, min_engines: int | None) -> EpochReport:
+                      canary: Canary | None, min_engines: int | None,
+                      delta: bool = False) -> EpochReport:
         """`refit(mode=STAGED)`: stage on every member, re-forming the group without the
         engines that failed until enough staged, then flip them (docs/protocol.md, "Staged
         epochs")."""
@@ -830,15 +852,27 @@ class Fleet:
         trainer_digest: str | None = None
         broadcast_s, reforms = 0.0, 0
         pending = list(self._members)
+        base = self._delta_base_for(link, plan) if delta else None
+        self._delta_base = None  # whatever happens below, the old base is spent
+        wire_bytes, sent_delta = 0, base is not None
         while True:
             joined = dict(zip(self._group_members or (), self._joined_instances or ()))
             handle = self._open_epoch(version, pause_mode, on_progress, verify_weights, canary,
-                                      EpochMode.STAGED)
+                                      EpochMode.STAGED, base[:2] if base else None)
             checksums = StagedDigest(plan)
             try:
                 handle.wait_accepted()
-                stats = link.sender.send(tensors, handle.send_deadline(), checksums=checksums)
-                broadcast_s += stats.seconds
+                if base is not None:
+                    assert isinstance(link, GlooLink)  # _delta_base_for checked it
+                    sent = send_delta(link.group, plan, tensors, base[2], handle.send_deadline(),
+                                      checksums.add)
+                    broadcast_s += sent.seconds
+                    wire_bytes += sent.wire_bytes
+                else:
+                    stats = link.sender.send(tensors, handle.send_deadline(),
+                                             checksums=checksums)
+                    broadcast_s += stats.seconds
+                    wire_bytes += stats.bytes
             except FleetError:
                 pass  # wait_accepted aborted the epoch; settle() names who refused
             except RefitError as e:
@@ -874,9 +908,40 @@ class Fleet:
                         ", ".join(self._endpoints[i].instance_id for i in behind), len(retry))
             self._reform(link, retry)
             pending = retry
-        return self._finish_staged(version, plan, staged, staged_as, behind, trainer_digest,
-                                   required, pause_mode, verify_weights, canary,
-                                   started=t0, broadcast_s=broadcast_s, reforms=reforms)
+            base = None  # a failed round spent the base (engines' and the trainer's): full
+        report = self._finish_staged(version, plan, staged, staged_as, behind, trainer_digest,
+                                     required, pause_mode, verify_weights, canary,
+                                     started=t0, broadcast_s=broadcast_s, reforms=reforms)
+        if delta:
+            # The next delta's base: what every engine that flipped now holds.
+            flat = base[2] if base is not None else flat_copy(plan, tensors)
+            self._delta_base = (version, trainer_digest, flat)
+        return replace(report, delta=sent_delta, wire_bytes=wire_bytes)
+
+    def _delta_base_for(self, link: TrainerLink, plan: RefitPlan
+                        ) -> tuple[int, str, torch.Tensor] | None:
+        """The last staged epoch's (version, staged digest, bytes) when a delta against it can
+        go: the gloo link, and every member's committed copy is that version with that digest
+        (one Describe round); None: a full epoch."""
+        if self._delta_base is None or not isinstance(link, GlooLink):
+            return None
+        version, digest, _ = self._delta_base
+        answers = self._unary_each("Describe", lambda w: pb.DescribeRequest(
+            skip_weights_digest=True), self._member_links())
+        odd = [w.endpoint.instance_id for w, a in zip(self._member_links(), answers)
+               if not isinstance(a, pb.DescribeResponse)
+               or (a.committed_copy_version, a.committed_copy_digest) != (version, digest)]
+        if odd:
+            log.info("delta epoch after version %d: full instead, %s hold another copy",
+                     version, ", ".join(odd))
+            return None
+        return self._delta_base
+
+    @property
+    def delta_base_bytes(self) -> int:
+        """Host memory the fleet keeps for delta epochs: one copy of the last version sent
+        (`refit(delta=True)`); 0 when none."""
+        return 0 if self._delta_base is None else self._delta_base[2].numel()
 
     def flip(self, handle: EpochHandle, staged_digest: str | None = None, *,
              min_engines: int | None = None, pause_mode: PauseMode = PauseMode.KEEP,

@@ -91,6 +91,7 @@ class _Epoch:
     verify_weights: bool = False
     canary: pb.Canary | None = None  # computed after the commit, before COMMITTED
     staged: bool = False  # a staged epoch: bytes land in the staging copy, never paused
+    delta: bool = False   # its buckets are deltas against the committed copy
     flip_timeout_s: float = 0.0
     bytes_applied: int = 0
     abort_reason: str = ""
@@ -193,6 +194,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     def Describe(self, request, context):
         status = self.engine.status(with_digest=not request.skip_weights_digest)
+        copy = self.engine.committed_copy
         with self._lock:
             return pb.DescribeResponse(
                 instance_id=self.config.instance_id,
@@ -214,6 +216,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 staged_digest=self._staged.digest if self._staged else "",
                 staging_bytes=self.engine.staging_bytes,
                 last_stall_seconds=self._last_stall_s,
+                committed_copy_version=copy[0] if copy else 0,
+                committed_copy_digest=copy[1] if copy else "",
             )
 
     def Prepare(self, request, context):
@@ -325,6 +329,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 raise FailedPreconditionError(
                     f"the {self.engine.kind} engine cannot stage an epoch; open it IN_PLACE",
                     reason=Reason.STAGING_UNSUPPORTED)
+            delta = bool(request.delta_base_version or request.delta_base_digest)
+            if delta:
+                self._check_delta_base(request, staged)
             with self._lock:
                 self._refuse_state("UpdateWeights", [pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
                 if self._busy:
@@ -343,7 +350,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                         f"group_id {request.group_id!r} != joined {self._group.group_id!r}",
                         reason=Reason.GROUP_MISMATCH)
                 epoch = _Epoch(request.version, deadline, request.verify_weights, canary,
-                               staged=staged, flip_timeout_s=flip_timeout_s)
+                               staged=staged, delta=delta, flip_timeout_s=flip_timeout_s)
                 self._epoch = epoch
                 self._busy = Busy.EPOCH
             # A caller that goes away (trainer crash) cancels the receive; the deadline is the
@@ -440,7 +447,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
         try:
             if epoch.staged:
-                staged_digest = self.engine.stage(plan, epoch.deadline, on_bucket)
+                staged_digest = self.engine.stage(plan, epoch.deadline, on_bucket,
+                                                  delta=epoch.delta)
                 events.put((ReceiveEvent.DONE, (staged_digest, None)))
                 return
             self.engine.receive(plan, epoch.deadline, on_bucket)
@@ -662,6 +670,27 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             self._last_error = f"staged version {version} dropped: no Flip in time"
         self.engine.drop_staged()
         log.warning("staged version %d dropped: no Flip within its flip timeout", version)
+
+    def _check_delta_base(self, request, staged: bool) -> None:
+        """A delta epoch is staged, on an engine that applies deltas, against exactly the
+        committed copy it holds (version and staged digest): a delta applied to anything else
+        would produce other weights (invariant 11)."""
+        if not staged:
+            raise InvalidArgumentError("a delta epoch is a staged one (mode EPOCH_MODE_STAGED)",
+                                       reason=Reason.INVALID_DELTA)
+        if not (request.delta_base_version and request.delta_base_digest):
+            raise InvalidArgumentError("a delta epoch names its base by version and digest",
+                                       reason=Reason.INVALID_DELTA)
+        if not self.engine.supports_delta:
+            raise FailedPreconditionError(f"the {self.engine.kind} engine cannot apply a delta; "
+                                          "send a full epoch", reason=Reason.DELTA_UNSUPPORTED)
+        held = self.engine.committed_copy
+        if held != (request.delta_base_version, request.delta_base_digest):
+            have = f"version {held[0]} ({held[1][:16]})" if held else "none"
+            raise FailedPreconditionError(
+                f"delta base version {request.delta_base_version} "
+                f"({request.delta_base_digest[:16]}) is not this engine's committed copy: "
+                f"{have}; send a full epoch", reason=Reason.DELTA_BASE_MISMATCH)
 
     def _flip_timeout(self, requested: float) -> float:
         if requested < 0 or requested != requested or requested == float("inf"):

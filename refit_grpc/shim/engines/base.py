@@ -244,8 +244,21 @@ class Engine(ABC):
         """Host memory the staging copy holds (kept between staged epochs); 0 when none."""
         return 0
 
+    @property
+    def supports_delta(self) -> bool:
+        """Whether `stage(..., delta=True)` works (a delta epoch: refit_grpc.delta); the shim
+        refuses one before ACCEPTED (DELTA_UNSUPPORTED) when it does not."""
+        return False
+
+    @property
+    def committed_copy(self) -> tuple[int, str] | None:
+        """(version, staged digest) of the engine's committed copy: the staged copy its last
+        flip loaded, while it still equals the live weights; what a delta applies to. None
+        when there is none."""
+        return None
+
     def stage(self, plan: RefitPlan, deadline: Deadline,
-              on_bucket: Callable[[Bucket], None]) -> str:
+              on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
         """Receive every bucket of the epoch into the staging copy (`refit_grpc.staging`)
         while the engine keeps serving: it is never paused for this, and its live weights are
         not touched.
@@ -254,6 +267,8 @@ class Engine(ABC):
             plan: the stored plan.
             deadline: when every bucket must have landed, or the call must raise.
             on_bucket: runs after each bucket landed.
+            delta: the buckets come as deltas against the committed copy (`refit_grpc.delta`),
+                which the shim checked is the trainer's base; only where `supports_delta`.
 
         Returns:
             The staged digest of what landed (`refit_grpc.staging.StagedDigest`).

@@ -22,6 +22,7 @@ import torch
 from refit_grpc.canary import teacher_forced_logprobs
 from refit_grpc.collective import Group, copy_bytes, receive
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
+from refit_grpc.delta import receive_delta
 from refit_grpc.errors import (
     CollectiveError,
     EpochAbortedError,
@@ -274,6 +275,8 @@ class ReferenceEngine(Engine):
             self._receiving = True
             self._digest = None
             self._allocate(plan)
+        # The live weights change without the staging copy: it is no longer the committed copy.
+        self._staging.invalidate()
         try:
             receive(group, plan, deadline, self._apply, on_bucket, land=self._land)
         finally:
@@ -346,15 +349,29 @@ class ReferenceEngine(Engine):
     def staging_bytes(self) -> int:
         return self._staging.nbytes
 
+    @property
+    def supports_delta(self) -> bool:
+        return True
+
+    @property
+    def committed_copy(self) -> tuple[int, str] | None:
+        version, digest = self._staging.live_version, self._staging.digest
+        return (version, digest) if version and digest else None
+
     def stage(self, plan: RefitPlan, deadline: Deadline,
-              on_bucket: Callable[[Bucket], None]) -> str:
-        """Every bucket lands in place in the staging copy; generation goes on (the pause gate
-        is not touched, nor the live weights)."""
+              on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
+        """Every bucket lands in place in the staging copy (a delta: applied onto it, the
+        committed copy); generation goes on (the pause gate is not touched, nor the live
+        weights)."""
         with self._lock:
             group = self._group
             if group is None or group.closed:
                 raise CollectiveError("no data group; call InitCollective",
                                       reason=Reason.NO_GROUP)
+            if delta and self.committed_copy is None:
+                raise FailedPreconditionError("no committed copy to apply a delta to",
+                                              reason=Reason.DELTA_BASE_MISMATCH)
+            # Keeps the bytes of the same plan (a delta's base); marks the copy incomplete.
             self._staging.allocate(plan)
         digest = StagedDigest(plan)
 
@@ -364,8 +381,11 @@ class ReferenceEngine(Engine):
             digest.add(bucket, view)
             on_bucket(bucket)
 
-        receive(group, plan, deadline, _never_applied, landed, land=self._staging.bucket_view,
-                land_from_first=True)
+        if delta:
+            receive_delta(group, plan, deadline, self._staging.bucket_view, landed)
+        else:
+            receive(group, plan, deadline, _never_applied, landed,
+                    land=self._staging.bucket_view, land_from_first=True)
         staged = digest.hexdigest()
         self._staging.complete(staged)
         return staged

@@ -262,7 +262,7 @@ class DynamoEngine(HttpEngine):
         return True
 
     def stage(self, plan: RefitPlan, deadline: Deadline,
-              on_bucket: Callable[[Bucket], None]) -> str:
+              on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
         """Start every worker's staged receive (update_weights_from_distributed with the
         extension's `refit_grpc_stage` and `allow_unpaused`: the call answers at once), then
         follow their statuses in the trainer's TCPStore until every bucket landed everywhere.

@@ -290,7 +290,7 @@ class VLLMEngine(HttpEngine):
             return self._backend == "gloo"
 
     def stage(self, plan: RefitPlan, deadline: Deadline,
-              on_bucket: Callable[[Bucket], None]) -> str:
+              on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
         """Start every worker's background receive into its staged copy (POST /collective_rpc,
         returns at once), then poll them until every bucket landed everywhere. The engine is
         not paused and its weights are not touched; every worker stages the whole plan (each

@@ -1,0 +1,184 @@
+"""Delta epochs: each bucket travels as what changed since the version every engine holds.
+
+An RL step in bf16 with a small learning rate leaves most 16-bit words of the weights
+bit-identical. A delta bucket carries only the changed words: their indexes (int32) and their new
+values (int16), 6 bytes per changed word against 2 per word sent raw, so it pays below a third of
+the words changed and falls back to the raw bytes above it, bucket by bucket (`encode`). Words,
+not elements: the codec sees bytes in plan layout and needs no dtype, so a bucket mixing fp32,
+bf16 and bool tensors is encoded alike (a changed fp32 element is at most its two words); a
+bucket of an odd number of bytes goes raw.
+
+On the wire a bucket is two broadcasts: a header (`HEADER_WORDS` int64: the encoding and the
+payload's bytes), then the payload. The sender keeps the last version it sent, in plan layout
+(its one extra copy of the weights), the receiver applies the bucket onto its committed copy
+(`refit_grpc.staging.StagingCopy`): a delta is only ever applied onto a copy whose staged digest
+equals the trainer's base (the shim checks it before ACCEPTED), and the staged digest of the
+result is computed over the whole bucket as in a full epoch, so it equals a full epoch's.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from refit_grpc.common import Deadline
+from refit_grpc.plan import Bucket, RefitPlan
+
+HEADER_WORDS = 2  # int64: encoding, payload bytes
+_INDEX_BYTES, _WORD_BYTES = 4, 2
+
+
+class Encoding(enum.IntEnum):
+    RAW = 0     # the bucket's bytes
+    SPARSE = 1  # int32 indexes of the changed 16-bit words, then their int16 values
+
+
+@dataclass(frozen=True)
+class DeltaStats:
+    """What a delta epoch sent: buckets by encoding and bytes on the wire (headers included)."""
+
+    buckets: int
+    sparse_buckets: int
+    bytes: int          # the plan's bytes
+    wire_bytes: int     # what crossed: payloads and headers
+    changed_words: int
+    seconds: float
+    encode_seconds: float  # the sender's diff and encode
+
+
+def encode(new: torch.Tensor, base: torch.Tensor, scratch: torch.Tensor
+           ) -> tuple[Encoding, torch.Tensor, int]:
+    """One bucket's payload: its changed words against `base`, or its raw bytes when that is
+    not smaller.
+
+    Args:
+        new: the bucket's bytes now (contiguous uint8, CPU).
+        base: the same bucket of the version the engines hold.
+        scratch: room for the payload, at least `new.numel()` bytes.
+
+    Returns:
+        (encoding, payload (a view of `scratch`, or `new` itself when raw), changed words).
+    """
+    n = new.numel()
+    if n % _WORD_BYTES:
+        return Encoding.RAW, new, -1
+    changed = (new.view(torch.int16) != base.view(torch.int16)).nonzero().flatten()
+    k = changed.numel()
+    if k * (_INDEX_BYTES + _WORD_BYTES) >= n:
+        return Encoding.RAW, new, k
+    payload = scratch[:k * (_INDEX_BYTES + _WORD_BYTES)]
+    payload[:k * _INDEX_BYTES].view(torch.int32).copy_(changed)
+    payload[k * _INDEX_BYTES:].view(torch.int16).copy_(new.view(torch.int16)[changed])
+    return Encoding.SPARSE, payload, k
+
+
+def apply(encoding: Encoding, payload: torch.Tensor, target: torch.Tensor) -> None:
+    """Apply one bucket's payload onto `target` (the bucket's bytes in the committed copy)."""
+    if encoding is Encoding.RAW:
+        if payload.data_ptr() != target.data_ptr():
+            target.copy_(payload)
+        return
+    k = payload.numel() // (_INDEX_BYTES + _WORD_BYTES)
+    index = payload[:k * _INDEX_BYTES].view(torch.int32).long()
+    target.view(torch.int16)[index] = payload[k * _INDEX_BYTES:].view(torch.int16)
+
+
+def header(encoding: Encoding, nbytes: int) -> torch.Tensor:
+    return torch.tensor([int(encoding), nbytes], dtype=torch.int64)
+
+
+def read_header(h: torch.Tensor, bucket: Bucket) -> tuple[Encoding, int]:
+    """The encoding and payload size a header announces, checked against the bucket."""
+    encoding, nbytes = Encoding(int(h[0])), int(h[1])
+    if not 0 <= nbytes <= bucket.nbytes or (encoding is Encoding.RAW and nbytes != bucket.nbytes):
+        raise ValueError(f"bucket {bucket.index}: a {encoding.name} payload of {nbytes} bytes "
+                         f"for a bucket of {bucket.nbytes}")
+    return encoding, nbytes
+
+
+def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base: torch.Tensor,
+               deadline: Deadline, on_bucket: Callable[[Bucket, torch.Tensor], None]
+               ) -> DeltaStats:
+    """Trainer rank 0: every bucket as a delta against `base` (the last version sent, plan
+    layout), which is updated to the new bytes as they go out.
+
+    Args:
+        group: the data group (`collective.Group`), rank 0.
+        plan: the plan.
+        tensors: the new weights.
+        base: the last version sent, the plan's bytes back to back; updated in place.
+        deadline: bounds every broadcast.
+        on_bucket: given each bucket and its new bytes (the staged digest's CRC).
+
+    Returns:
+        What crossed.
+    """
+    from refit_grpc.collective import pack_into
+
+    scratch = torch.empty(max(b.nbytes for b in plan.buckets), dtype=torch.uint8)
+    packed = torch.empty_like(scratch)
+    offsets = _bucket_offsets(plan)
+    t0, encode_s, wire, sparse, changed_total = time.monotonic(), 0.0, 0, 0, 0
+    for b, start in zip(plan.buckets, offsets):
+        new = pack_into(packed, [tensors[s.name].detach().cpu()
+                                 for s in plan.tensors[b.start:b.stop]])
+        old = base[start:start + b.nbytes]
+        t_enc = time.monotonic()
+        encoding, payload, changed = encode(new, old, scratch)
+        encode_s += time.monotonic() - t_enc
+        group.broadcast_async(header(encoding, payload.numel()), deadline).wait(
+            deadline, f"header of bucket {b.index}")
+        group.broadcast_async(payload, deadline).wait(deadline, f"delta of bucket {b.index}")
+        on_bucket(b, new)
+        old.copy_(new)
+        wire += payload.numel() + HEADER_WORDS * 8
+        sparse += encoding is Encoding.SPARSE
+        changed_total += max(changed, 0)
+    return DeltaStats(len(plan.buckets), sparse, plan.total_bytes, wire, changed_total,
+                      time.monotonic() - t0, encode_s)
+
+
+def receive_delta(group, plan: RefitPlan, deadline: Deadline,
+                  target: Callable[[Bucket], torch.Tensor],
+                  on_bucket: Callable[[Bucket], None]) -> None:
+    """Engine rank: every bucket's header and payload, applied onto `target(bucket)` (the
+    bucket's bytes in the committed copy); a raw payload lands there directly."""
+    h = torch.empty(HEADER_WORDS, dtype=torch.int64)
+    scratch = torch.empty(max(b.nbytes for b in plan.buckets), dtype=torch.uint8)
+    for b in plan.buckets:
+        group.broadcast_async(h, deadline).wait(deadline, f"header of bucket {b.index}")
+        encoding, nbytes = read_header(h, b)
+        place = target(b)
+        payload = place if encoding is Encoding.RAW else scratch[:nbytes]
+        group.broadcast_async(payload, deadline).wait(deadline, f"delta of bucket {b.index}")
+        apply(encoding, payload, place)
+        on_bucket(b)
+
+
+def _bucket_offsets(plan: RefitPlan) -> list[int]:
+    out, offset = [], 0
+    for b in plan.buckets:
+        out.append(offset)
+        offset += b.nbytes
+    return out
+
+
+def flat_copy(plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The plan's bytes back to back (the sender's base after a full epoch)."""
+    from refit_grpc.collective import pack_into
+
+    out = torch.empty(plan.total_bytes, dtype=torch.uint8)
+    offset = 0
+    for b in plan.buckets:
+        pack_into(out[offset:offset + b.nbytes], [tensors[s.name].detach().cpu()
+                                                  for s in plan.tensors[b.start:b.stop]])
+        offset += b.nbytes
+    return out
+
+
+__all__ = ["DeltaStats", "Encoding", "apply", "encode", "flat_copy", "receive_delta",
+           "send_delta"]

@@ -1,0 +1,145 @@
+"""Delta epochs (refit_grpc.delta): the codec's round trip, then real gRPC shims and real gloo
+groups (reference engines in store mode): a delta epoch moves only what changed, leaves every
+engine byte-identical to a full epoch, and is sent only onto a committed copy whose version and
+digest are the trainer's base (docs/protocol.md, invariant 11)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from refit_grpc import Fleet, Packing, WorkerEndpoint
+from refit_grpc.delta import Encoding, apply, encode
+from refit_grpc.driver.endpoint import WorkerEndpoint as Endpoint
+from refit_grpc.driver.failures import failure_from_rpc
+from refit_grpc.plan import weights_digest
+from refit_grpc.proto import pb
+from refit_grpc.shim.engines.reference import ReferenceEngine
+from refit_grpc.shim.service import ShimConfig
+
+from support import InProcessShim, info
+
+
+def test_the_codec_round_trips_and_falls_back_to_raw():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
+    scratch = torch.empty_like(base)
+    for fraction in (0.0, 0.001, 0.01, 0.1, 0.2):
+        new = base.clone()
+        words = new.view(torch.int16)
+        idx = torch.randperm(words.numel(), generator=g)[:int(fraction * words.numel())]
+        words[idx] += 1
+        encoding, payload, changed = encode(new, base, scratch)
+        assert (encoding, changed) == (Encoding.SPARSE, idx.numel())
+        assert payload.numel() == 6 * idx.numel()
+        target = base.clone()
+        apply(encoding, payload, target)
+        assert torch.equal(target, new)
+    everything = base ^ 0xFF
+    encoding, payload, _ = encode(everything, base, scratch)
+    assert encoding is Encoding.RAW and payload.data_ptr() == everything.data_ptr()
+    odd = torch.zeros(7, dtype=torch.uint8)
+    assert encode(odd, odd.clone(), scratch)[0] is Encoding.RAW
+
+
+def mixed(version: int, changed: float = 1.0, base: dict | None = None) -> dict:
+    """bf16, fp32 and bool tensors; `changed` of the bf16/fp32 elements differ from `base`."""
+    g = torch.Generator().manual_seed(version)
+    fresh = {"embed": torch.randn(512, 256, generator=g).to(torch.bfloat16),
+             "layer.w": torch.randn(256, 256, generator=g),
+             "layer.b": torch.randn(256, generator=g).to(torch.bfloat16),
+             "mask": torch.rand(1000, generator=g) > 0.5}
+    if base is None:
+        return fresh
+    out = {}
+    for name, t in base.items():
+        if t.dtype == torch.bool:
+            out[name] = t.clone()
+            continue
+        keep = torch.rand(t.shape, generator=g) >= changed
+        out[name] = torch.where(keep, t, fresh[name])
+    return out
+
+
+def as_views(tensors: dict) -> dict:
+    """The same tensors as views into one flat buffer in plan order (Megatron-style)."""
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
+    out, offset = {}, 0
+    for name, t in tensors.items():
+        out[name] = flat[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+        offset += t.nbytes
+    return out
+
+
+@pytest.fixture
+def fleet_of_two():
+    shims = [InProcessShim(ReferenceEngine(model=None), ShimConfig(max_epoch_s=20))
+             for _ in range(2)]
+    fleet = Fleet([WorkerEndpoint(f"s{i}", s.address) for i, s in enumerate(shims)],
+                  packing=Packing(1 << 16, 2), epoch_timeout_s=20)
+    yield fleet, shims
+    fleet.close()
+    for s in shims:
+        s.close()
+
+
+def test_delta_epochs_move_what_changed_and_equal_full_epochs(fleet_of_two):
+    fleet, shims = fleet_of_two
+    v1 = mixed(1)
+    fleet.prepare(info(v1))
+    link = fleet.connect("127.0.0.1")
+    first = fleet.refit(link, v1, mode="staged", delta=True)
+    assert not first.delta and first.wire_bytes == fleet.plan.total_bytes  # no base yet: full
+    assert fleet.delta_base_bytes == fleet.plan.total_bytes  # the trainer's one copy
+    current, rows = v1, []
+    for version, changed in [(2, 0.01), (3, 0.001), (4, 0.1), (5, 1.0)]:
+        current = mixed(version, changed, base=current)
+        tensors = as_views(current) if version % 2 else current  # views or separate tensors
+        report = fleet.refit(link, tensors, mode="staged", delta=True, verify_weights=True)
+        assert report.delta
+        want = weights_digest((s.name, current[s.name]) for s in fleet.plan.tensors)
+        assert {w.weights_digest for w in report.workers} == {want}
+        for s in shims:
+            d = s.describe()
+            assert (d.weight_version, d.committed_copy_version) == (version, version)
+        rows.append((changed, report.wire_bytes / fleet.plan.total_bytes))
+    by_change = dict(rows)
+    assert by_change[0.001] < by_change[0.01] < by_change[0.1] < 0.6
+    assert by_change[1.0] <= 1.01  # every bucket fell back to raw
+    print("\nDELTA wire bytes / plan bytes by changed fraction: "
+          + ", ".join(f"{c:g}: {r:.4f}" for c, r in rows))
+
+
+def test_a_delta_goes_only_onto_the_trainers_base(fleet_of_two):
+    fleet, shims = fleet_of_two
+    v1 = mixed(1)
+    fleet.prepare(info(v1))
+    link = fleet.connect("127.0.0.1")
+    fleet.refit(link, v1, mode="staged", delta=True)
+    # An in-place epoch changes the live weights without the committed copies: no base left.
+    v2 = mixed(2, 0.01, base=v1)
+    fleet.refit(link, v2, version=2)
+    assert all(s.describe().committed_copy_version == 0 for s in shims)
+    v3 = mixed(3, 0.01, base=v2)
+    report = fleet.refit(link, v3, mode="staged", delta=True, verify_weights=True)
+    assert not report.delta  # a full epoch instead
+    assert {w.weights_digest for w in report.workers} == \
+        {weights_digest((s.name, v3[s.name]) for s in fleet.plan.tensors)}
+    # The shim fences it too: a base that is not its committed copy is refused before ACCEPTED.
+    d = shims[0].describe()
+    for fields, reason in [
+            (dict(mode=pb.EPOCH_MODE_STAGED, delta_base_version=3,
+                  delta_base_digest="0" * 64), "DELTA_BASE_MISMATCH"),
+            (dict(mode=pb.EPOCH_MODE_STAGED, delta_base_version=2,
+                  delta_base_digest=d.committed_copy_digest), "DELTA_BASE_MISMATCH"),
+            (dict(delta_base_version=3, delta_base_digest=d.committed_copy_digest),
+             "INVALID_DELTA")]:
+        request = pb.UpdateWeightsRequest(version=4, plan_digest=fleet.plan.digest,
+                                          group_id=d.group_id, **fields)
+        with pytest.raises(grpc.RpcError) as e:
+            list(shims[0].stub.UpdateWeights(request, timeout=5))
+        assert failure_from_rpc(Endpoint("s0", "x"), e.value).reason == reason
+    assert shims[0].describe().state == pb.SHIM_STATE_READY
+    with pytest.raises(ValueError, match="staged"):
+        fleet.refit(link, v3, delta=True)
