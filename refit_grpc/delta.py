@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from refit_grpc.common import Deadline
@@ -30,6 +31,12 @@ from refit_grpc.plan import Bucket, RefitPlan
 
 HEADER_WORDS = 2  # int64: encoding, payload bytes
 _INDEX_BYTES, _WORD_BYTES = 4, 2
+# A sparse payload is smaller than the raw bytes below this fraction of changed words.
+_BREAK_EVEN = _WORD_BYTES / (_INDEX_BYTES + _WORD_BYTES)
+# Before comparing a whole bucket, one word in this many is compared: a bucket that changed
+# well past the break-even goes raw at the cost of a sample (the fallback must cost nothing
+# next to a full epoch), and one near it is compared whole, which decides exactly.
+_SAMPLE_STRIDE = 97
 
 
 class Encoding(enum.IntEnum):
@@ -66,14 +73,37 @@ def encode(new: torch.Tensor, base: torch.Tensor, scratch: torch.Tensor
     n = new.numel()
     if n % _WORD_BYTES:
         return Encoding.RAW, new, -1
-    changed = (new.view(torch.int16) != base.view(torch.int16)).nonzero().flatten()
-    k = changed.numel()
+    # numpy views of the same memory: its compare and nonzero run 3-4x torch's on one CPU core
+    # (measured: 0.16-0.26 against 0.7-1.0 s/GiB for the compare). Unaligned slices are fine.
+    a, b = new.numpy(), base.numpy()
+    a16, b16 = a.view(np.int16), b.view(np.int16)
+    if a16.size >= 64 * _SAMPLE_STRIDE:
+        sampled = np.count_nonzero(a16[::_SAMPLE_STRIDE] != b16[::_SAMPLE_STRIDE])
+        if sampled > 1.5 * _BREAK_EVEN * len(range(0, a16.size, _SAMPLE_STRIDE)):
+            return Encoding.RAW, new, -1
+    changed = _changed_words(a, b)
+    k = changed.size
     if k * (_INDEX_BYTES + _WORD_BYTES) >= n:
         return Encoding.RAW, new, k
     payload = scratch[:k * (_INDEX_BYTES + _WORD_BYTES)]
-    payload[:k * _INDEX_BYTES].view(torch.int32).copy_(changed)
-    payload[k * _INDEX_BYTES:].view(torch.int16).copy_(new.view(torch.int16)[changed])
+    out = payload.numpy()
+    out[:k * _INDEX_BYTES].view(np.int32)[:] = changed
+    out[k * _INDEX_BYTES:].view(np.int16)[:] = a16[changed]
     return Encoding.SPARSE, payload, k
+
+
+def _changed_words(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Indexes of the 16-bit words that differ between two byte arrays of even length: 8 bytes
+    compared at a time, then the 4 words of each differing block."""
+    head = a.size - a.size % 8
+    blocks = np.flatnonzero(a[:head].view(np.int64) != b[:head].view(np.int64))
+    a16, b16 = a.view(np.int16), b.view(np.int16)
+    candidates = (blocks[:, None] * 4 + np.arange(4)).ravel()
+    changed = candidates[a16[candidates] != b16[candidates]]
+    if head < a.size:  # the last 1-3 words
+        tail = np.arange(head // 2, a.size // 2)
+        changed = np.concatenate([changed, tail[a16[tail] != b16[tail]]])
+    return changed
 
 
 def apply(encoding: Encoding, payload: torch.Tensor, target: torch.Tensor) -> None:
@@ -83,8 +113,11 @@ def apply(encoding: Encoding, payload: torch.Tensor, target: torch.Tensor) -> No
             target.copy_(payload)
         return
     k = payload.numel() // (_INDEX_BYTES + _WORD_BYTES)
-    index = payload[:k * _INDEX_BYTES].view(torch.int32).long()
-    target.view(torch.int16)[index] = payload[k * _INDEX_BYTES:].view(torch.int16)
+    raw = payload.numpy()
+    # numpy, not torch: a bucket that starts at an odd byte of the copy cannot be viewed as
+    # int16 by torch; numpy writes through unaligned views.
+    target.numpy().view(np.int16)[raw[:k * _INDEX_BYTES].view(np.int32)] = \
+        raw[k * _INDEX_BYTES:].view(np.int16)
 
 
 def header(encoding: Encoding, nbytes: int) -> torch.Tensor:
@@ -106,6 +139,9 @@ def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base
     """Trainer rank 0: every bucket as a delta against `base` (the last version sent, plan
     layout), which is updated to the new bytes as they go out.
 
+    Packing and encoding bucket i+1 overlap the broadcasts of bucket i (`num_buffers` buckets in
+    flight, as the full sender does).
+
     Args:
         group: the data group (`collective.Group`), rank 0.
         plan: the plan.
@@ -117,27 +153,37 @@ def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base
     Returns:
         What crossed.
     """
-    from refit_grpc.collective import pack_into
+    from refit_grpc.collective import copy_bytes, pack_into
 
-    scratch = torch.empty(max(b.nbytes for b in plan.buckets), dtype=torch.uint8)
-    packed = torch.empty_like(scratch)
+    biggest = max(b.nbytes for b in plan.buckets)
+    slots = max(1, min(plan.packing.num_buffers, len(plan.buckets)))
+    packed = [torch.empty(biggest, dtype=torch.uint8) for _ in range(slots)]
+    scratch = [torch.empty(biggest, dtype=torch.uint8) for _ in range(slots)]
+    headers = [torch.empty(HEADER_WORDS, dtype=torch.int64) for _ in range(slots)]
+    in_flight: list[list] = [[] for _ in range(slots)]
     offsets = _bucket_offsets(plan)
     t0, encode_s, wire, sparse, changed_total = time.monotonic(), 0.0, 0, 0, 0
     for b, start in zip(plan.buckets, offsets):
-        new = pack_into(packed, [tensors[s.name].detach().cpu()
-                                 for s in plan.tensors[b.start:b.stop]])
+        k = b.index % slots
+        for op in in_flight[k]:  # the slot's last broadcasts read its buffers
+            op.wait(deadline, f"delta before bucket {b.index}")
+        new = pack_into(packed[k], [tensors[s.name].detach().cpu()
+                                    for s in plan.tensors[b.start:b.stop]])
         old = base[start:start + b.nbytes]
         t_enc = time.monotonic()
-        encoding, payload, changed = encode(new, old, scratch)
+        encoding, payload, changed = encode(new, old, scratch[k])
         encode_s += time.monotonic() - t_enc
-        group.broadcast_async(header(encoding, payload.numel()), deadline).wait(
-            deadline, f"header of bucket {b.index}")
-        group.broadcast_async(payload, deadline).wait(deadline, f"delta of bucket {b.index}")
+        headers[k].copy_(header(encoding, payload.numel()))
+        in_flight[k] = [group.broadcast_async(headers[k], deadline),
+                        group.broadcast_async(payload, deadline)]
         on_bucket(b, new)
-        old.copy_(new)
+        copy_bytes(old, new)  # the next epoch's base: only read here, by this thread
         wire += payload.numel() + HEADER_WORDS * 8
         sparse += encoding is Encoding.SPARSE
         changed_total += max(changed, 0)
+    for ops in in_flight:
+        for op in ops:
+            op.wait(deadline, "final delta")
     return DeltaStats(len(plan.buckets), sparse, plan.total_bytes, wire, changed_total,
                       time.monotonic() - t0, encode_s)
 
@@ -146,15 +192,21 @@ def receive_delta(group, plan: RefitPlan, deadline: Deadline,
                   target: Callable[[Bucket], torch.Tensor],
                   on_bucket: Callable[[Bucket], None]) -> None:
     """Engine rank: every bucket's header and payload, applied onto `target(bucket)` (the
-    bucket's bytes in the committed copy); a raw payload lands there directly."""
-    h = torch.empty(HEADER_WORDS, dtype=torch.int64)
+    bucket's bytes in the committed copy); a raw payload lands there directly. The next
+    bucket's header is posted before this one's payload is applied."""
+    headers = [torch.empty(HEADER_WORDS, dtype=torch.int64) for _ in range(2)]
     scratch = torch.empty(max(b.nbytes for b in plan.buckets), dtype=torch.uint8)
-    for b in plan.buckets:
-        group.broadcast_async(h, deadline).wait(deadline, f"header of bucket {b.index}")
-        encoding, nbytes = read_header(h, b)
+    buckets = plan.buckets
+    pending = group.broadcast_async(headers[0], deadline)
+    for b in buckets:
+        pending.wait(deadline, f"header of bucket {b.index}")
+        encoding, nbytes = read_header(headers[b.index % 2], b)
         place = target(b)
         payload = place if encoding is Encoding.RAW else scratch[:nbytes]
-        group.broadcast_async(payload, deadline).wait(deadline, f"delta of bucket {b.index}")
+        data = group.broadcast_async(payload, deadline)
+        if b.index + 1 < len(buckets):
+            pending = group.broadcast_async(headers[(b.index + 1) % 2], deadline)
+        data.wait(deadline, f"delta of bucket {b.index}")
         apply(encoding, payload, place)
         on_bucket(b)
 

@@ -36,6 +36,12 @@ def test_the_codec_round_trips_and_falls_back_to_raw():
         target = base.clone()
         apply(encoding, payload, target)
         assert torch.equal(target, new)
+        # A bucket at an odd byte of the committed copy (after a bool tensor of odd size).
+        copy = torch.empty(base.numel() + 1, dtype=torch.uint8)
+        copy[1:].copy_(base)
+        encoding, payload, _ = encode(new, copy[1:], scratch)
+        apply(encoding, payload, copy[1:])
+        assert torch.equal(copy[1:], new)
     everything = base ^ 0xFF
     encoding, payload, _ = encode(everything, base, scratch)
     assert encoding is Encoding.RAW and payload.data_ptr() == everything.data_ptr()

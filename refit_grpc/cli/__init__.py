@@ -1,4 +1,5 @@
-"""`refit-grpc shim | call | health | fleet | demo | bench | bench-stall`: the command-line entry points.
+"""`refit-grpc shim | call | health | fleet | demo | bench | bench-stall | bench-delta`: the
+command-line entry points.
 
 The parser and `main` live here; each command's body in its own module: `shim` (serve one
 engine), `call` (`call` and `health`), `fleet` (`fleet status | flush | abort`), and `security`
@@ -69,6 +70,15 @@ def _bench_stall(args: argparse.Namespace) -> int:
                            hidden=args.hidden, layers=args.layers,
                            buffer_size_bytes=args.buffer_size_bytes, steady_s=args.steady_s,
                            scale=args.scale, png=args.png or None)
+
+
+def _bench_delta(args: argparse.Namespace) -> int:
+    from refit_grpc.tools.bench_delta import run_bench_delta
+
+    run_bench_delta(workers=args.world - 1, total_mb=args.total_mb, reps=args.reps,
+                    fractions=[float(f) for f in args.fractions.split(",")],
+                    buffer_size_bytes=args.buffer_size_bytes, lr=args.lr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     stall.add_argument("--png", default="build/bench-stall.png",
                        help="the figure of tokens over time (empty: none; needs matplotlib)")
     stall.set_defaults(func=_bench_stall)
+
+    delta = sub.add_parser("bench-delta", help="delta epochs against full ones (staged, the "
+                                               "reference engine), side by side")
+    delta.add_argument("--world", type=int, default=2, help="trainer + receivers, per fleet")
+    delta.add_argument("--total-mb", type=float, default=1024, help="the bf16 plan's size")
+    delta.add_argument("--reps", type=int, default=3, help="epochs per fraction and mode")
+    delta.add_argument("--fractions", default="0.001,0.01,0.1,1",
+                       help="fractions of the elements each version changes")
+    delta.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
+    delta.add_argument("--lr", type=float, default=1e-6,
+                       help="the SGD step whose changed fraction is measured (and added)")
+    delta.set_defaults(func=_bench_delta)
 
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is _bench and not args.world:

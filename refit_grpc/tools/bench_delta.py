@@ -1,0 +1,154 @@
+"""`refit-grpc bench-delta`: delta epochs against full ones, side by side in one run (a
+benchmark: it reports and asserts nothing).
+
+Two fleets of reference engines (store mode, one shim process per receiver each), one refit
+with full staged epochs, the other with `delta=True`, refit with the same versions in turn: a
+1 GiB bf16 decoder mix (the bench's realistic layer mix in bf16) whose versions differ from the
+one before in a given fraction of the elements. Per fraction, medians of `reps` epochs: bytes on
+the wire, epoch time and the trainer's CPU, delta against full. One more row measures the
+fraction a real step changes: a tiny LM in bf16, one SGD step at a learning rate RL uses, the
+words that changed.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from refit_grpc.plan import Packing, RefitPlan, TensorSpec
+from refit_grpc.testing.harness import Run
+from refit_grpc.tools.bench import materialize, realistic_specs
+
+FRACTIONS = (0.001, 0.01, 0.1, 1.0)
+
+
+def bf16_specs(total_bytes: int) -> list[TensorSpec]:
+    """The bench's realistic decoder mix, in bf16, of about `total_bytes`."""
+    return [TensorSpec(s.name, s.shape, torch.bfloat16)
+            for s in realistic_specs(2 * total_bytes)]
+
+
+def perturbed(tensors: dict[str, torch.Tensor], fraction: float,
+              g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A next version: `fraction` of each tensor's elements moved by a small step."""
+    out = {}
+    for name, t in tensors.items():
+        new = t.clone()
+        flat = new.view(-1)
+        k = int(round(fraction * flat.numel()))
+        if k:
+            idx = torch.randint(0, flat.numel(), (k,), generator=g)
+            flat[idx] = flat[idx] + torch.randn(k, generator=g, dtype=t.dtype) * 1e-2
+        out[name] = new
+    return out
+
+
+def sgd_step_fraction(lr: float = 1e-6, seed: int = 0) -> float:
+    """The fraction of 16-bit words one SGD step changes in a bf16 model (the tiny LM, one
+    batch of random tokens, plain SGD at `lr`): what RL's small steps leave alone."""
+    from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
+
+    torch.manual_seed(seed)
+    model = TinyLM(TinyLMConfig(hidden_size=256, num_layers=4)).to(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tokens = torch.randint(0, model.cfg.vocab_size, (8, 32))
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             tokens[:, 1:].reshape(-1))
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            assert p.grad is not None  # every parameter takes part in the loss
+            p.sub_(lr * p.grad)
+    changed = total = 0
+    for n, p in model.named_parameters():
+        changed += int((p.detach().view(torch.int16) != before[n].view(torch.int16)).sum())
+        total += p.numel()
+    return changed / total
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run_bench_delta(workers: int = 1, total_mb: float = 1024, reps: int = 3,
+                    fractions: Sequence[float] = FRACTIONS, buffer_size_bytes: int = 64 << 20,
+                    lr: float = 1e-6, out=sys.stdout) -> dict[float, dict[str, float]]:
+    """Both fleets side by side (module docstring); prints the table, returns the medians."""
+    from refit_grpc.driver import Fleet, WorkerEndpoint
+
+    run = Run("bench-delta", None, out)
+    say = run.say
+    specs = bf16_specs(int(total_mb * (1 << 20)))
+    plan = RefitPlan(tuple(specs), Packing(buffer_size_bytes, 2))
+    step = sgd_step_fraction(lr)
+    say(f"plan: {len(specs)} bf16 tensors, {plan.total_bytes / 1e6:.1f} MB, "
+        f"{len(plan.buckets)} buckets; {workers} receiver(s) per fleet; {reps} reps per "
+        f"fraction after one warm-up; one SGD step at lr {lr:g} on a bf16 tiny LM changes "
+        f"{step:.4%} of its words")
+    fractions = sorted({*fractions, round(step, 6)} - {0.0})
+    fleets = {}
+    results: dict[float, dict[str, list[float]]] = {}
+    try:
+        for arm in ("full", "delta"):
+            shims = run.spawn_shims([("--model", "none", "--instance-id", f"{arm}-{i}")
+                                     for i in range(workers)], buffer_size_bytes)[-workers:]
+            fleet = Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+                          packing=plan.packing, epoch_timeout_s=600)
+            fleet.prepare(plan.state_dict_info())
+            fleets[arm] = (fleet, fleet.connect("127.0.0.1"))
+        g = torch.Generator().manual_seed(0)
+        current = materialize(specs)
+        version = 0
+
+        def epoch(arm: str, tensors) -> tuple[float, float, int]:
+            fleet, link = fleets[arm]
+            cpu0, t0 = _cpu_s(), time.monotonic()
+            report = fleet.refit(link, tensors, version=version, mode="staged",
+                                 delta=arm == "delta")
+            return time.monotonic() - t0, _cpu_s() - cpu0, report.wire_bytes
+
+        version += 1
+        for arm in ("full", "delta"):  # warm-up: the delta fleet's first epoch is full
+            epoch(arm, current)
+        for fraction in fractions:
+            rows = results.setdefault(fraction, {k: [] for k in (
+                "full_s", "delta_s", "full_cpu", "delta_cpu", "full_bytes", "delta_bytes")})
+            for _ in range(reps):
+                current = perturbed(current, fraction, g)
+                version += 1
+                for arm in ("full", "delta"):
+                    seconds, cpu, wire = epoch(arm, current)
+                    rows[f"{arm}_s"].append(seconds)
+                    rows[f"{arm}_cpu"].append(cpu)
+                    rows[f"{arm}_bytes"].append(wire)
+            say(f"fraction {fraction:g} done")
+        base_mb = fleets["delta"][0].delta_base_bytes / 1e6
+    finally:
+        for fleet, link in fleets.values():
+            link.close()
+            fleet.close()
+        run.teardown()
+    medians = {f: {k: statistics.median(v) for k, v in rows.items()}
+               for f, rows in results.items()}
+    gib = plan.total_bytes / (1 << 30)
+    say(f"{'changed':>9} {'full ms':>8} {'delta ms':>9} {'time':>7} {'full MB':>8} "
+        f"{'delta MB':>9} {'bytes':>7} {'full cpu s/GiB':>15} {'delta cpu s/GiB':>16}")
+    for f, m in medians.items():
+        say(f"{f:>9.4%} {m['full_s'] * 1e3:8.0f} {m['delta_s'] * 1e3:9.0f} "
+            f"{m['delta_s'] / m['full_s']:6.2f}x {m['full_bytes'] / 1e6:8.1f} "
+            f"{m['delta_bytes'] / 1e6:9.1f} {m['delta_bytes'] / m['full_bytes']:6.2%} "
+            f"{m['full_cpu'] / gib:15.2f} {m['delta_cpu'] / gib:16.2f}")
+    say(f"extra memory: the trainer keeps {base_mb:.1f} MB (one copy of the last version sent); "
+        "each engine its committed copy, the staged copy it already keeps "
+        f"({plan.total_bytes / 1e6:.1f} MB)")
+    return medians
+
+
+__all__ = ["run_bench_delta", "sgd_step_fraction"]
