@@ -43,7 +43,6 @@ from refit_grpc.errors import (
     CollectiveError,
     EngineUnavailableError,
     EpochAbortedError,
-    FailedPreconditionError,
     RefitError,
     RefitTimeoutError,
 )
@@ -290,15 +289,6 @@ class HttpEngine(Engine):
         they last reported it; 0 before the first staged epoch."""
         with self._lock:
             return self._staging_bytes
-
-    def _staged_for_flip(self) -> tuple[RefitPlan, str]:
-        """The plan and staged digest `stage()` returned, for the flip; NOT_STAGED when none."""
-        with self._lock:
-            staged = self._staged
-        if staged is None:
-            raise FailedPreconditionError("flip: nothing is staged on this engine",
-                                          reason=Reason.NOT_STAGED)
-        return staged
 
     def drop_staged(self) -> None:
         """Forget the staged copy on every worker and end a staged receive in flight (on a

@@ -314,7 +314,12 @@ class DynamoEngine(HttpEngine):
         """Load the staged copy into the live weights: the in-place update route, paused, with
         `source: "staged"` (the worker's side is the receive's own loader: layerwise reload,
         tied heads, MoE experts, rollback and its applied marker), then commit `version`."""
-        plan, digest = self._staged_for_flip()
+        with self._lock:
+            staged = self._staged
+        if staged is None:
+            raise FailedPreconditionError("flip: nothing is staged on this engine",
+                                          reason=Reason.NOT_STAGED)
+        plan, digest = staged
         gen = self._http.generation
         with self._lock:
             self._receiving, self._touched = True, True

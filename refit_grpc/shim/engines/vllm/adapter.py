@@ -321,7 +321,12 @@ class VLLMEngine(HttpEngine):
         session (/start_weight_update, /update_weights with `source: "staged"`, whose worker
         side is the same loader: layerwise reload, tied heads, MoE experts), then commit
         `version` (/finish_weight_update). Called while paused."""
-        plan, digest = self._staged_for_flip()
+        with self._lock:
+            staged = self._staged
+        if staged is None:
+            raise FailedPreconditionError("flip: nothing is staged on this engine",
+                                          reason=Reason.NOT_STAGED)
+        plan, digest = staged
         self._update(deadline, lambda left, _key: flip_info_for(plan, worker_timeout(left),
                                                                digest),
                      "update_weights(staged)", network=False)
