@@ -362,23 +362,39 @@ def test_worker_killed_mid_epoch_fails_the_refs_with_the_typed_error(ray_cluster
     assert len(refs) == 3
     t0 = time.monotonic()
     sender = ray.get(trainer.broadcast_killing.remote(2, shims[1].pid), timeout=GET_S)
-    for ref in refs:
-        with pytest.raises(RayTaskError) as e:
-            ray.get(ref, timeout=GET_S)
-        cause = e.value.cause
-        assert isinstance(cause, EpochFailedError) and isinstance(e.value, EpochFailedError)
-        # Root cause first: the killed worker, by its instance id.
-        assert cause.workers[0] == "w1", cause
-        assert "w1" in str(e.value)
+    # The killed worker's ref fails, naming it. A survivor's ref fails too, naming the killed
+    # worker first, unless every byte of version 2 had already reached it: the kill comes after
+    # the first bucket, and the later (small) buckets can sit in the loopback socket buffers
+    # before the sender sees the dead peer, so a survivor may legitimately complete the epoch.
+    # An in-place epoch is not atomic across engines (staged epochs are: tests/test_staged_fleet).
+    outcomes: dict[str, str] = {}
+    for i, ref in enumerate(refs):
+        try:
+            resolved = ray.get(ref, timeout=GET_S)
+        except RayTaskError as e:
+            cause = e.cause
+            assert isinstance(cause, EpochFailedError) and isinstance(e, EpochFailedError)
+            # Root cause first: the killed worker, by its instance id.
+            assert cause.workers[0] == "w1", cause
+            assert "w1" in str(e)
+            outcomes[f"w{i}"] = "failed"
+            continue
+        assert i != 1, "the killed worker's ref resolved"
+        assert resolved is True, resolved
+        outcomes[f"w{i}"] = "completed"
+    assert outcomes["w1"] == "failed"
     elapsed = time.monotonic() - t0
-    print(f"\nRAY: worker killed mid-broadcast ({sender}); every ref failed after {elapsed:.1f}s "
-          f"with {type(cause).__name__}: {cause}")
+    print(f"\nRAY: worker killed mid-broadcast ({sender}); refs after {elapsed:.1f}s: {outcomes}")
     assert elapsed < 20, "the refs must fail fast, not at the 30 s epoch deadline"
     assert shims[1].proc.wait(10) == -signal.SIGKILL
     # No survivor serves part of version 2: one that received some of it is BROKEN and stays
-    # paused; one that received none still holds version 1, intact.
-    for shim in (shims[0], shims[2]):
+    # paused; one that received none still holds version 1, intact; one that completed holds
+    # exactly version 2.
+    for i, shim in ((0, shims[0]), (2, shims[2])):
         (d,) = described([shim])
+        if outcomes[f"w{i}"] == "completed":
+            assert d.weight_version == 2 and d.weights_digest == digest_v(2), d
+            continue
         assert d.weight_version == 1, d
         assert (d.state == pb.SHIM_STATE_BROKEN and d.paused) or \
             (d.state == pb.SHIM_STATE_PREPARED and d.weights_digest == digest_v(1)), d
