@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from refit_grpc.driver import Fleet as Fleet
     from refit_grpc.driver import TrainerLink as TrainerLink
     from refit_grpc.driver import WorkerEndpoint as WorkerEndpoint
+    from refit_grpc.driver.catch_up import CatchUpError as CatchUpError
+    from refit_grpc.driver.catch_up import CatchUpReport as CatchUpReport
     from refit_grpc.driver.config import FleetConfig as FleetConfig
     from refit_grpc.driver.config import FleetState as FleetState
     from refit_grpc.driver.config import FleetStateError as FleetStateError

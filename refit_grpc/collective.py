@@ -13,6 +13,7 @@ the abort, on either side.
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import datetime
 import gc
@@ -31,7 +32,9 @@ import torch.distributed as dist
 from refit_grpc.common import CANCEL_POLL_S, Deadline, GroupSpec
 from refit_grpc.errors import (
     CollectiveError,
+    EpochAbortedError,
     InvalidArgumentError,
+    RefitError,
     RefitTimeoutError,
 )
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
@@ -39,6 +42,9 @@ from refit_grpc.reasons import Reason
 from refit_grpc.staging import StagedDigest
 
 log = logging.getLogger(__name__)
+
+# How long a rank's store client may take to connect to a master whose listener it just reached.
+_STORE_CONNECT_S = 3.0
 
 class Group:
     """A joined data group. Only rank 0 ever sends."""
@@ -58,8 +64,10 @@ class Group:
 
     @classmethod
     def join(cls, spec: GroupSpec, timeout_s: float, *,
-             store: dist.TCPStore | None = None) -> Group:
-        """Rendezvous; blocks until every rank has joined or `timeout_s` passes.
+             store: dist.TCPStore | None = None,
+             cancel: threading.Event | None = None) -> Group:
+        """Rendezvous; blocks until every rank has joined or `timeout_s` passes. `cancel` (an
+        Abort, a caller gone) ends the wait for the master's listener at once.
 
         Rank 0 may pass the master `store` it already listens with (`bind_master_store`, on
         `spec.master_port`): the port is then bound before any peer is told of it."""
@@ -78,14 +86,19 @@ class Group:
                 # delay, so its own timeout stretches to about twice the one given (measured:
                 # 16.9 s for 9 s, 7.3 s for 3 s): wait for the master's listener here, within
                 # the deadline, and give the store and the group only what is left.
-                _wait_for_listener(spec.master_address, spec.master_port, end, timeout_s)
+                _wait_for_listener(spec.master_address, spec.master_port, end, timeout_s,
+                                   cancel)
             timeout = datetime.timedelta(seconds=max(end - time.monotonic(), 0.001))
             if store is None:
+                # The listener was there a moment ago: connecting takes milliseconds, and a
+                # client that keeps retrying for the whole deadline is waiting for a master
+                # that died meanwhile. Its later waits (the other ranks) get the whole deadline.
+                connect = min(timeout, datetime.timedelta(seconds=_STORE_CONNECT_S)) \
+                    if spec.rank != 0 else timeout
                 store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size,
-                                      is_master=spec.rank == 0, timeout=timeout,
+                                      is_master=spec.rank == 0, timeout=connect,
                                       wait_for_workers=False)
-            else:
-                store.set_timeout(timeout)
+            store.set_timeout(datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
             prefixed = dist.PrefixStore(f"refit_grpc/{spec.group_id}", store)
             timeout = datetime.timedelta(seconds=max(end - time.monotonic(), 0.001))
             pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
@@ -99,6 +112,8 @@ class Group:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 pg = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, opts)
+        except RefitError:
+            raise  # ours already (a timeout, an abort), with its reason
         except (RuntimeError, dist.DistStoreError) as e:
             text = str(e)
             if "timeout" in text.lower() or "timed out" in text.lower():
@@ -228,10 +243,14 @@ def set_store_key(host: str, port: int, key: str, timeout_s: float) -> bool:
     return True
 
 
-def _wait_for_listener(host: str, port: int, end: float, timeout_s: float) -> None:
+def _wait_for_listener(host: str, port: int, end: float, timeout_s: float,
+                       cancel: threading.Event | None = None) -> None:
     """Until something accepts TCP connections at host:port (the trainer's TCPStore), or raise
-    RENDEZVOUS_TIMEOUT at `end` (time.monotonic())."""
+    RENDEZVOUS_TIMEOUT at `end` (time.monotonic()), or EPOCH_ABORTED once `cancel` is set."""
     while True:
+        if cancel is not None and cancel.is_set():
+            raise EpochAbortedError(f"rendezvous at {host}:{port}: aborted",
+                                    reason=Reason.EPOCH_ABORTED)
         left = end - time.monotonic()
         if left <= 0:
             raise RefitTimeoutError(f"rendezvous at {host}:{port} timed out after "
@@ -439,6 +458,37 @@ class Sender:
             if op is not None:
                 op.wait(deadline, "final broadcast")
         return TransferStats(len(plan.buckets), plan.total_bytes, time.monotonic() - t0)
+
+
+def broadcast_buckets(group: Group, plan: RefitPlan, bucket_bytes: Callable[[Bucket], torch.Tensor],
+                      deadline: Deadline,
+                      on_bucket: Callable[[Bucket], None] | None = None) -> TransferStats:
+    """Rank 0: broadcast every bucket of the plan from where its bytes already lie, back to back
+    in plan layout (a peer's committed copy, serving a catch-up): no packing, no buffer; up to
+    `num_buffers` broadcasts in flight, as many as the receivers post ahead.
+
+    Args:
+        group: a group this process is rank 0 of.
+        plan: the plan the bytes are laid out by.
+        bucket_bytes: bucket -> its bytes (a uint8 tensor of exactly `bucket.nbytes`); they must
+            not change until the call returns.
+        deadline: when every broadcast must be done.
+        on_bucket: runs after each bucket's broadcast was posted.
+    """
+    if group.spec.rank != 0:
+        raise InvalidArgumentError("only rank 0 sends", reason=Reason.INVALID_RANK)
+    window = max(1, min(plan.packing.num_buffers, len(plan.buckets)))
+    in_flight: collections.deque[_PendingOp] = collections.deque()
+    t0 = time.monotonic()
+    for bucket in plan.buckets:
+        if len(in_flight) >= window:
+            in_flight.popleft().wait(deadline, f"broadcast before bucket {bucket.index}")
+        in_flight.append(group.broadcast_async(bucket_bytes(bucket), deadline))
+        if on_bucket:
+            on_bucket(bucket)
+    while in_flight:
+        in_flight.popleft().wait(deadline, "final broadcast")
+    return TransferStats(len(plan.buckets), plan.total_bytes, time.monotonic() - t0)
 
 
 def _span(tensors: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor | None:

@@ -37,6 +37,7 @@ from refit_grpc.canary import Canary
 from refit_grpc.collective import Group, bind_master_store, pack_into
 from refit_grpc.common import EpochMode, GroupSpec, PauseMode
 from refit_grpc.delta import flat_copy, send_delta
+from refit_grpc.driver.catch_up import CatchUpError, CatchUpReport, catch_up_from_peers
 from refit_grpc.driver.config import FleetConfig, FleetState, FleetStateError, refuse_unless
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback, WorkerLink
@@ -227,6 +228,13 @@ class Fleet:
         # Delta epochs: (version, staged digest, the plan's bytes) of the last staged epoch
         # that flipped with delta=True, the trainer's one extra copy (`refit_grpc.delta`).
         self._delta_base: tuple[int, str, torch.Tensor] | None = None
+        # The fleet's version as its members' committed copies hold it: (version, staged
+        # digest) of the last staged epoch that flipped; None after an in-place one (which ends
+        # the copies) and while an epoch runs. What a catch-up serves.
+        self._committed: tuple[int, str] | None = None
+        # Catch-ups under way (`catch_up_async`): applied to the membership at the next epoch.
+        self._catch_ups: list[Future[CatchUpReport]] = []
+        self._catch_up_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="catch-up")
 
     # --- NeMo RL's channel's surface ------------------------------------------------------
 
@@ -391,6 +399,104 @@ class Fleet:
         self._members = [i for i in self._current()
                          if self._endpoints[i].instance_id not in self._left_behind]
 
+    # --- catch-up from a peer (refit_grpc.driver.catch_up) -------------------------------------
+
+    def catch_up(self, instance_id: str, *, timeout_s: float | None = None,
+                 pause_mode: PauseMode = PauseMode.KEEP) -> CatchUpReport:
+        """Bring a worker to the fleet's version from a member's committed copy, without the
+        trainer in the transfer (docs/protocol.md, "Catch-up from a peer"): a worker just
+        added, one restarted, one left behind. The fleet's last epoch must have been staged
+        (members keep its copy); the worker is prepared first if it has no plan, leaves its
+        data group for the catch-up, and joins the next epoch's group at the fleet's version
+        (a worker left behind is readmitted). On failure it is as it was, and the next epoch
+        brings it to the fleet's version as for any member.
+
+        Args:
+            instance_id: the worker, a member or left behind.
+            timeout_s: each attempt's deadline; by default the epoch timeout.
+            pause_mode: how it pauses its requests for the load.
+
+        Returns:
+            What the catch-up did (`CatchUpReport`).
+
+        Raises:
+            CatchUpError: NO_CATCH_UP_PEER (no member holds the fleet's version), or
+                CATCH_UP_FAILED (every peer tried failed, each named).
+            FleetStateError: no plan, or the fleet is closed.
+        """
+        report = self.catch_up_async(instance_id, timeout_s=timeout_s,
+                                     pause_mode=pause_mode).result()
+        self._settle_catch_ups()
+        return report
+
+    def catch_up_async(self, instance_id: str, *, timeout_s: float | None = None,
+                       pause_mode: PauseMode = PauseMode.KEEP) -> Future[CatchUpReport]:
+        """`catch_up()` on a thread of the fleet's own: the trainer goes on (training, or
+        anything but another call on this fleet) while the bytes move between two engines.
+        The next epoch (or `catch_up()`) waits for it first: a peer cannot take the next
+        version into its copy while it serves this one.
+
+        Returns:
+            A future of the `CatchUpReport` (or its `CatchUpError`).
+
+        Raises:
+            CatchUpError: NO_CATCH_UP_PEER, at once.
+        """
+        plan = self._plan_for("catch_up()", (FleetState.PREPARED, FleetState.CONNECTED))
+        index = self._index_of(instance_id)
+        if self._committed is None:
+            raise CatchUpError(f"no member holds the fleet's version {self._version} in a "
+                               "committed copy (the last epoch was in place, or none flipped "
+                               "yet); the next epoch brings the worker to it", [],
+                               reason=Reason.NO_CATCH_UP_PEER)
+        version, digest = self._committed
+        target = self._workers[index]
+        self._prepare_on(plan, [target])
+        (about,) = self._unary_all("Describe", lambda w: pb.DescribeRequest(
+            skip_weights_digest=True), "Describe of the worker catching up failed", [target])
+        candidates = [i for i in self._members if i != index]
+        answers = self._unary_each("Describe", lambda w: pb.DescribeRequest(
+            skip_weights_digest=True), self._member_links(candidates))
+        peers = [self._workers[i] for i, a in zip(candidates, answers)
+                 if isinstance(a, pb.DescribeResponse)
+                 and (a.committed_copy_version, a.committed_copy_digest) == (version, digest)
+                 and a.state in (pb.SHIM_STATE_READY, pb.SHIM_STATE_PREPARED)
+                 and not a.serving_catch_up_to]
+        if not peers:
+            raise CatchUpError(f"no member holds version {version} ({digest[:16]}) in its "
+                               "committed copy, or every one that does is busy; the next epoch "
+                               "brings the worker to it", [],
+                               reason=Reason.NO_CATCH_UP_PEER)
+        future = self._catch_up_pool.submit(
+            catch_up_from_peers, target, peers, version=version, staged_digest=digest,
+            plan=plan, target_world_size=max(about.engine_world_size, 1),
+            target_instance=about.instance_id,
+            timeout_s=timeout_s or self.config.epoch_timeout_s, pause_mode=pause_mode)
+        self._catch_ups.append(future)
+        return future
+
+    def _settle_catch_ups(self) -> None:
+        """Wait for the catch-ups under way; each that succeeded changes the membership: its
+        worker left its data group (the next epoch forms the group with it) and, if it was
+        left behind, is readmitted. A failed one is the caller's news (its future's error)."""
+        pending, self._catch_ups = self._catch_ups, []
+        for future in pending:
+            try:
+                report = future.result()
+            except CatchUpError as e:
+                log.warning("a catch-up failed, the next epoch brings its worker up: %s", e)
+                continue
+            index = self._index_of(report.instance_id)
+            self._left_behind.pop(report.instance_id, None)
+            if index not in self._members:
+                self._members = [i for i in self._current()
+                                 if self._endpoints[i].instance_id not in self._left_behind]
+            if self._group_members is not None and index in self._group_members:
+                keep = [k for k, i in enumerate(self._group_members) if i != index]
+                self._group_members = tuple(self._group_members[k] for k in keep)
+                if self._joined_instances is not None:
+                    self._joined_instances = tuple(self._joined_instances[k] for k in keep)
+
     def _member_links(self, indexes: Sequence[int] | None = None) -> list[WorkerLink]:
         return [self._workers[i] for i in (self._members if indexes is None else indexes)]
 
@@ -475,14 +581,27 @@ class Fleet:
         self._plan = plan
         return plan
 
-    def _prepare_on(self, plan: RefitPlan, links: Sequence[WorkerLink]) -> None:
-        """Prepare `plan` on `links` (a no-op on a shim that holds it already)."""
-        request = pb.PrepareRequest(
+    def _prepare_request(self, plan: RefitPlan | None = None) -> pb.PrepareRequest:
+        plan = plan or self._plan
+        assert plan is not None
+        return pb.PrepareRequest(
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=DTYPE_TO_PROTO[s.dtype])
                      for s in plan.tensors],
             packing=pb.Packing(buffer_size_bytes=plan.packing.buffer_size_bytes,
                                num_buffers=plan.packing.num_buffers))
+
+    def _prepare_on(self, plan: RefitPlan, links: Sequence[WorkerLink]) -> None:
+        """Prepare `plan` on `links` (a no-op on a shim that holds it already)."""
+        request = self._prepare_request(plan)
         answers = self._unary_all("Prepare", lambda w: request, "prepare failed", links)
+        self._check_prepared(links, answers, plan)
+
+    def _check_prepared(self, links: Sequence[WorkerLink],
+                        answers: Sequence[pb.PrepareResponse],
+                        plan: RefitPlan | None = None) -> None:
+        """Every shim computed the driver's plan digest (else PLAN_DIGEST_MISMATCH)."""
+        plan = plan or self._plan
+        assert plan is not None
         bad = [WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
                              grpc.StatusCode.FAILED_PRECONDITION, Reason.PLAN_DIGEST_MISMATCH,
                              f"shim computed {a.plan_digest[:16]}, driver {plan.digest[:16]}")
@@ -668,7 +787,9 @@ class Fleet:
                     canary: Canary | None, mode: EpochMode,
                     delta_base: tuple[int, str] | None = None) -> EpochHandle:
         plan = self._plan_for("update_weights()", (FleetState.CONNECTED,))
+        self._settle_catch_ups()
         self._check_membership()
+        self._committed = None  # the epoch overwrites (staged) or ends (in place) the copies
         version = self._version + 1 if version is None else version
         # Opened, not committed: the default of the next epoch moves on either way, since a shim
         # refuses a repeated version only once it has committed it.
@@ -773,13 +894,16 @@ class Fleet:
         if delta and mode is not EpochMode.STAGED:
             raise InvalidArgumentError("delta=True is for staged epochs (mode=\"staged\")",
                                        reason=Reason.INVALID_DELTA)
+        self._settle_catch_ups()
+        gone: dict[int, WorkerFailure] = {}
         if self.state is FleetState.CONNECTED and self._group_members != tuple(self._members):
-            # A staged epoch went on without some engines: the group is formed again of the
-            # members (the trainer calls nothing else; only the gloo link can).
-            self._reform(link, self._members)
+            # Members changed (added, removed, left behind, caught up): the group is formed
+            # again of the members (the trainer calls nothing else; only the gloo link can). A
+            # staged epoch leaves behind the members that cannot take part any more.
+            gone = self._reform(link, self._members, leave_behind=mode is EpochMode.STAGED)
         if mode is EpochMode.STAGED:
             return self._refit_staged(link, tensors, version, pause_mode, on_progress,
-                                      verify_weights, canary, min_engines, delta)
+                                      verify_weights, canary, min_engines, delta, gone)
         if min_engines is not None:
             raise InvalidArgumentError("min_engines is for staged epochs: an in-place epoch "
                                        "cannot leave an engine behind unharmed",
@@ -833,7 +957,8 @@ class Fleet:
                       version: int | None, pause_mode: PauseMode,
                       on_progress: ProgressCallback | None, verify_weights: bool,
                       canary: Canary | None, min_engines: int | None,
-                      delta: bool = False) -> EpochReport:
+                      delta: bool = False,
+                      gone: Mapping[int, WorkerFailure] | None = None) -> EpochReport:
         """`refit(mode=STAGED)`: stage on every member, re-forming the group without the
         engines that failed until enough staged, then flip them (docs/protocol.md, "Staged
         epochs")."""
@@ -848,7 +973,7 @@ class Fleet:
         t0 = time.monotonic()
         staged: dict[int, pb.UpdateWeightsResponse] = {}  # worker index -> its STAGED
         staged_as: dict[int, str] = {}  # worker index -> the instance id it staged as
-        behind: dict[int, WorkerFailure] = {}
+        behind: dict[int, WorkerFailure] = dict(gone or {})  # left behind at the re-forming
         trainer_digest: str | None = None
         broadcast_s, reforms = 0.0, 0
         pending = list(self._members)
@@ -906,7 +1031,9 @@ class Fleet:
             log.warning("epoch %d: %d staged, %d left behind (%s); re-forming the group for %d",
                         version, len(staged), len(behind),
                         ", ".join(self._endpoints[i].instance_id for i in behind), len(retry))
-            self._reform(link, retry)
+            lost = self._reform(link, retry, leave_behind=True)
+            behind.update(lost)
+            retry = [i for i in retry if i not in lost]
             pending = retry
             base = None  # a failed round spent the base (engines' and the trainer's): full
         report = self._finish_staged(version, plan, staged, staged_as, behind, trainer_digest,
@@ -1033,6 +1160,7 @@ class Fleet:
             raise QuorumError(f"epoch {version}: {len(flipped)} engines flipped to it, "
                               f"{required} required", list(behind.values()),
                               staged=[self._endpoints[i].instance_id for i in flipped])
+        self._committed = (version, digest)
         links = self._member_links(list(flipped))
         answers = list(flipped.values())
         as_committed = [pb.UpdateWeightsResponse(weights_digest=a.weights_digest,
@@ -1091,8 +1219,11 @@ class Fleet:
                 behind[i] = f if alive or not isinstance(answer, WorkerFailure) else answer
         return retry
 
-    def _reform(self, link: TrainerLink, members: Sequence[int]) -> None:
-        """Form a new group of `members` only, the trainer's end replacing `link`'s (gloo)."""
+    def _reform(self, link: TrainerLink, members: Sequence[int], *,
+                leave_behind: bool = False) -> dict[int, WorkerFailure]:
+        """Form a new group of `members` only, the trainer's end replacing `link`'s (gloo).
+        With `leave_behind`, members that fail Prepare are left behind instead of failing it
+        all (returned, by worker index)."""
         if not isinstance(link, GlooLink):
             raise FleetStateError("a staged epoch re-forms its group without the engines that "
                                   "failed, which only the gloo link can do; connect() again",
@@ -1103,7 +1234,23 @@ class Fleet:
         # A worker added (or restarted and readmitted) since has no plan; for the others
         # Prepare of the plan they hold is a no-op.
         assert self._plan is not None  # a fleet with a group has a plan
-        self._prepare_on(self._plan, self._member_links(members))
+        failed: dict[int, WorkerFailure] = {}
+        if leave_behind:
+            # A staged epoch goes on without the members that cannot even take the plan (dead
+            # since the last epoch): they are left behind, named in its report.
+            answers = dict(zip(members, self._unary_each(
+                "Prepare", lambda w: self._prepare_request(), self._member_links(members))))
+            failed = {i: a for i, a in answers.items() if isinstance(a, WorkerFailure)}
+            if failed:
+                log.warning("re-forming without %s: %s", ", ".join(
+                    f.instance_id for f in failed.values()), "; ".join(map(str, failed.values())))
+                self._leave_behind(failed)
+                members = [i for i in members if i not in failed]
+                if not members:
+                    raise FleetError("no member can take the plan", list(failed.values()))
+            self._check_prepared(self._member_links(members), [answers[i] for i in members])
+        else:
+            self._prepare_on(self._plan, self._member_links(members))
         everyone = self._members
         self._members = list(members)
         try:
@@ -1112,6 +1259,7 @@ class Fleet:
             self._members = everyone
         assert isinstance(fresh, GlooLink)
         link.adopt(fresh)
+        return failed
 
     def _flip(self, version: int, digest: str, staged_as: Mapping[int, str],
               pause_mode: PauseMode, stay_paused: bool
@@ -1239,6 +1387,7 @@ class Fleet:
         for channel in self._channels:
             channel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._catch_up_pool.shutdown(wait=False, cancel_futures=True)
         # Every consumer has ended when its epoch closed (bounded); then only idle threads are
         # left, and waiting for them is immediate. A consumer still running is not waited for.
         self._streams.shutdown(wait=all(e.closed for e in epochs), cancel_futures=True)

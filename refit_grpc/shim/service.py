@@ -3,6 +3,7 @@
 The state is derived, never stored, so it cannot drift from the facts it summarises:
     RECEIVING  an in-place epoch is in flight (engine paused)
     STAGING    a staged epoch is in flight (engine serving the previous version)
+    CATCHING_UP  CatchUp is receiving a peer's committed copy (engine serving what it had)
     BROKEN     weights were partly overwritten by a failed epoch or flip (engine stays paused)
     EMPTY      no plan
     STAGED     a staged version waits for its Flip (engine serving the previous version)
@@ -24,6 +25,7 @@ import ipaddress
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -31,8 +33,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from refit_grpc.canary import canary_problem
+from refit_grpc.collective import bind_master_store, set_store_key
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
+    CollectiveError,
     EngineUnavailableError,
     EpochAbortedError,
     FailedPreconditionError,
@@ -74,6 +78,8 @@ class Busy(enum.Enum):
     JOIN = "InitCollective"
     EPOCH = "UpdateWeights"
     FLIP = "Flip"
+    SERVE = "ServeCatchUp"
+    CATCH_UP = "CatchUp"
 
 
 class ReceiveEvent(enum.Enum):
@@ -106,7 +112,17 @@ class _Staged:
     digest: str
     verify_weights: bool
     canary: pb.Canary | None
-    expiry: threading.Timer
+    expiry: threading.Timer | None  # None: a catch-up's copy, flipped at once
+
+
+@dataclass
+class _CatchUp:
+    """A catch-up this shim takes part in: its deadline (Abort cancels it) and the other end."""
+
+    deadline: Deadline
+    serving: bool  # True on the peer (ServeCatchUp), False on the engine catching up
+    other: str     # the other engine's instance id
+    bytes_received: int = 0  # the engine catching up: what landed so far
 
 
 class RefitServicer(pb_grpc.RefitServiceServicer):
@@ -126,6 +142,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._staged: _Staged | None = None
         self._last_stall_s = 0.0
         self._join_deadline: Deadline | None = None
+        self._catch_up: _CatchUp | None = None
         self._shutting_down = False
 
     # --- state -----------------------------------------------------------------------------
@@ -137,6 +154,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     def _state_locked(self) -> State:
         if self._epoch is not None:
             return pb.SHIM_STATE_STAGING if self._epoch.staged else pb.SHIM_STATE_RECEIVING
+        if self._busy is Busy.CATCH_UP:
+            return pb.SHIM_STATE_CATCHING_UP
         if not self._weights_intact:
             return pb.SHIM_STATE_BROKEN
         if self._plan is None:
@@ -218,6 +237,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 last_stall_seconds=self._last_stall_s,
                 committed_copy_version=copy[0] if copy else 0,
                 committed_copy_digest=copy[1] if copy else "",
+                serving_catch_up_to=self._catch_up.other
+                if self._catch_up and self._catch_up.serving else "",
+                catching_up_from=self._catch_up.other
+                if self._catch_up and not self._catch_up.serving else "",
+                catch_up_bytes_received=self._catch_up.bytes_received
+                if self._catch_up and not self._catch_up.serving else 0,
             )
 
     def Prepare(self, request, context):
@@ -548,8 +573,10 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             return done
 
     def _flip(self, staged: _Staged, mode: PauseMode, stay_paused: bool,
-              deadline: Deadline) -> pb.FlipResponse:
-        was_paused = self.engine.is_paused()
+              deadline: Deadline, *, resume_paused: bool = False) -> pb.FlipResponse:
+        """Pause, load the staged copy, (canary,) clear caches, resume. `resume_paused`: resume
+        even an engine that was paused before (a BROKEN one that a catch-up made whole)."""
+        was_paused = self.engine.is_paused() and not resume_paused
         t_pause = time.monotonic()
         try:
             self.engine.pause(mode, deadline)
@@ -593,6 +620,196 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                                load_seconds=load_s, weights_digest=digest, canary=canary_result,
                                resumed=resumed)
 
+    # --- catch-up from a peer (docs/protocol.md, "Catch-up from a peer") ----------------------
+
+    def ServeCatchUp(self, request, context) -> Iterator:
+        """Send this engine's committed copy to one engine catching up: host a two-rank
+        rendezvous, say where (LISTENING), broadcast the copy, end with SENT. The engine keeps
+        serving; no epoch, join or flip runs meanwhile (BUSY), so the copy cannot change."""
+        t0 = time.monotonic()
+        with status_on_error(context, self._record_error):
+            deadline = self._deadline(context, self.config.max_epoch_s)
+            self._check_instance(request.instance_id, "ServeCatchUp")
+            if request.version < 1 or not request.staged_digest or not request.group_id:
+                raise InvalidArgumentError("ServeCatchUp needs version >= 1, the committed "
+                                           "copy's staged digest and a group id",
+                                           reason=Reason.INVALID_CATCH_UP)
+            if not request.listen_address:
+                raise InvalidArgumentError("ServeCatchUp needs the listen_address the newcomer "
+                                           "reaches this engine at",
+                                           reason=Reason.INVALID_CATCH_UP)
+            self._check_master(request.listen_address)
+            world = request.world_size or 2
+            if world < 2:
+                raise InvalidArgumentError(f"world_size must be >= 2, got {world}",
+                                           reason=Reason.INVALID_WORLD_SIZE)
+            if not self.engine.supports_serving_copy:
+                raise FailedPreconditionError(
+                    f"the {self.engine.kind} engine cannot serve its committed copy; catch the "
+                    "engine up from another peer or by the next epoch",
+                    reason=Reason.CATCH_UP_UNSUPPORTED)
+            target = request.target_instance_id or "an engine catching up"
+            with self._lock:
+                self._refuse_state("ServeCatchUp", [pb.SHIM_STATE_PREPARED, pb.SHIM_STATE_READY])
+                if self._busy:
+                    raise FailedPreconditionError(
+                        f"ServeCatchUp refused while {self._busy.value} runs", reason=Reason.BUSY)
+                plan = self._check_digest(request.plan_digest)
+                held = self.engine.committed_copy
+                if held != (request.version, request.staged_digest):
+                    have = f"version {held[0]} ({held[1][:16]})" if held else "none"
+                    raise FailedPreconditionError(
+                        f"asked to serve version {request.version} "
+                        f"({request.staged_digest[:16]}); this engine's committed copy: {have}",
+                        reason=Reason.PEER_COPY_MISMATCH)
+                self._busy = Busy.SERVE
+                self._catch_up = _CatchUp(deadline, serving=True, other=target)
+            context.add_callback(deadline.cancel.set)  # the driver going away ends the serve
+            try:
+                store = bind_master_store(request.listen_address, 0, world,
+                                          deadline.check("catch-up rendezvous"))
+                spec = GroupSpec(request.listen_address, store.port, world, 0, "gloo",
+                                 request.group_id)
+                log.info("serving version %d to %s: rendezvous at %s:%d", request.version,
+                         target, request.listen_address, store.port)
+                yield pb.ServeCatchUpResponse(phase=pb.SERVE_CATCH_UP_PHASE_LISTENING,
+                                              master_port=store.port,
+                                              seconds=time.monotonic() - t0)
+                # Wait for the newcomer's word before forming the group: gloo's own wait for
+                # the other ranks cannot be cancelled, and a newcomer that refused or died must
+                # not hold this engine busy until the deadline.
+                key = _newcomer_key(request.group_id)
+                while not store.check([key]):
+                    time.sleep(min(0.02, deadline.check("waiting for the newcomer")))
+                self.engine.serve_copy(spec, store, deadline)
+                # Kept open until the newcomer has it all: its watch reads this rendezvous
+                # closing as this engine's death.
+                key = _received_key(request.group_id)
+                while not store.check([key]):
+                    time.sleep(min(0.02, deadline.check("waiting for the newcomer's receipt")))
+                del store
+                log.info("served version %d to %s: %d bytes, %.3fs", request.version, target,
+                         plan.total_bytes, time.monotonic() - t0)
+                yield pb.ServeCatchUpResponse(phase=pb.SERVE_CATCH_UP_PHASE_SENT,
+                                              bytes_sent=plan.total_bytes,
+                                              seconds=time.monotonic() - t0)
+            finally:
+                with self._lock:
+                    self._busy = None
+                    self._catch_up = None
+
+    def CatchUp(self, request, context):
+        """Receive a peer's committed copy into the staging copy (the peer's group, not the
+        fleet's: this engine leaves its data group), check the staged digest, load it as a Flip
+        does. Before the load nothing changes: a dead peer, a wrong digest or an Abort leave the
+        engine as it was (serving what it had; a BROKEN one stays paused)."""
+        t0 = time.monotonic()
+        with status_on_error(context, self._record_error):
+            deadline = self._deadline(context, self.config.max_epoch_s)
+            self._check_instance(request.instance_id, "CatchUp")
+            mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
+            if request.version < 1 or not request.staged_digest or not request.group_id:
+                raise InvalidArgumentError("CatchUp needs version >= 1, the peer copy's staged "
+                                           "digest and a group id", reason=Reason.INVALID_CATCH_UP)
+            self._check_master(request.master_address)
+            spec = GroupSpec(request.master_address, request.master_port,
+                             1 + self.engine.world_size, 1, "gloo", request.group_id)
+            spec.validate()
+            if not self.engine.supports_staging:
+                raise FailedPreconditionError(
+                    f"the {self.engine.kind} engine cannot stage, so it cannot catch up from a "
+                    "peer; the next epoch brings it to the fleet's version",
+                    reason=Reason.CATCH_UP_UNSUPPORTED)
+            peer = request.peer_instance_id or f"{request.master_address}:{request.master_port}"
+            with self._lock:
+                self._refuse_state("CatchUp", [pb.SHIM_STATE_PREPARED, pb.SHIM_STATE_READY,
+                                               pb.SHIM_STATE_BROKEN])
+                if self._busy:
+                    raise FailedPreconditionError(f"CatchUp refused while {self._busy.value} runs",
+                                                  reason=Reason.BUSY)
+                if request.version <= self._version:
+                    raise FailedPreconditionError(
+                        f"version {request.version} is not newer than applied {self._version}",
+                        reason=Reason.STALE_VERSION)
+                plan = self._check_digest(request.plan_digest)
+                broken = not self._weights_intact
+                # The fleet forms its group again with this engine once it caught up.
+                self._drop_group_locked()
+                self._busy = Busy.CATCH_UP
+                record = self._catch_up = _CatchUp(deadline, serving=False, other=peer)
+            context.add_callback(deadline.cancel.set)
+
+            def landed(bucket) -> None:
+                record.bytes_received += bucket.nbytes
+
+            loading = False
+            watch = _PeerWatch(spec.master_address, spec.master_port, deadline,
+                               self.engine.abort_transfer)
+            try:
+                try:
+                    if not set_store_key(spec.master_address, spec.master_port,
+                                         _newcomer_key(spec.group_id),
+                                         min(deadline.check("catch-up rendezvous"), 10.0)):
+                        raise CollectiveError(
+                            f"the peer's rendezvous at {spec.master_address}:"
+                            f"{spec.master_port} does not answer", reason=Reason.RENDEZVOUS_FAILED)
+                    watch.start()
+                    self.engine.init_transfer(spec, plan, deadline)
+                    digest = self.engine.stage(plan, deadline, landed)
+                    watch.stop()
+                    # The peer holds its rendezvous open until this word: until then, its going
+                    # away means it died (`_PeerWatch`), not that it finished.
+                    set_store_key(spec.master_address, spec.master_port,
+                                  _received_key(spec.group_id), 5.0)
+                except RefitError as e:
+                    err: RefitError = CollectiveError(
+                        "the peer went away (its rendezvous closed) mid-transfer",
+                        reason=Reason.COLLECTIVE_FAILED) if watch.peer_lost else e
+                    cause = "aborted" if deadline.cancel.is_set() and deadline.remaining() > 0 \
+                        and not watch.peer_lost else err.message
+                    raise type(err)(f"catch-up from peer {peer} failed after "
+                                    f"{record.bytes_received} of {plan.total_bytes} bytes: "
+                                    f"{cause}", reason=err.reason) from e
+                finally:
+                    watch.stop()
+                    self.engine.abort_transfer()  # the two-rank group is done either way
+                transfer_s = time.monotonic() - t0
+                if digest != request.staged_digest:
+                    raise FailedPreconditionError(
+                        f"catch-up from peer {peer}: staged digest {digest[:16]} != the peer "
+                        f"copy's {request.staged_digest[:16]}; nothing loaded",
+                        reason=Reason.STAGED_DIGEST_MISMATCH)
+                loading = True
+                # Once loading, nothing cancels it (a caller gone, an Abort): a load cut short
+                # would leave partial weights. It has its deadline's time, and at least 10 s.
+                load_deadline = Deadline(max(deadline.remaining(), 10.0))
+                done = self._flip(_Staged(request.version, digest, False, None, None), mode,
+                                  stay_paused=False, deadline=load_deadline,
+                                  resume_paused=broken)
+            finally:
+                if not loading:
+                    self.engine.drop_staged()
+                with self._lock:
+                    self._busy = None
+                    self._catch_up = None
+            log.info("caught up to version %d from %s: %d bytes, transfer %.3fs, stall %.3fs",
+                     request.version, peer, record.bytes_received, transfer_s,
+                     done.stall_seconds)
+            return pb.CatchUpResponse(version=request.version, state=self.state(),
+                                      bytes_received=record.bytes_received,
+                                      seconds=time.monotonic() - t0,
+                                      transfer_seconds=transfer_s,
+                                      stall_seconds=done.stall_seconds,
+                                      load_seconds=done.load_seconds,
+                                      weights_digest=done.weights_digest)
+
+    def _check_instance(self, instance_id: str, what: str) -> None:
+        """A call addressed to an instance (the caller saw it in Describe) reaches only it."""
+        if instance_id and instance_id != self.config.instance_id:
+            raise FailedPreconditionError(
+                f"this shim is {self.config.instance_id!r}, the {what} was sent to "
+                f"{instance_id!r} (restarted since)", reason=Reason.MEMBERSHIP_CHANGED)
+
     def Flush(self, request, context):
         with status_on_error(context):
             deadline = self._deadline(context, self.config.max_control_s)
@@ -633,6 +850,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 epoch.deadline.cancel.set()
             if self._join_deadline is not None:
                 self._join_deadline.cancel.set()
+            if self._catch_up is not None:
+                self._catch_up.deadline.cancel.set()
             self._last_error = f"aborted: {reason}"
             self._group = None
             staged = self._take_staged_locked()
@@ -656,7 +875,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     def _take_staged_locked(self) -> _Staged | None:
         staged, self._staged = self._staged, None
-        if staged is not None:
+        if staged is not None and staged.expiry is not None:
             staged.expiry.cancel()
         return staged
 
@@ -769,6 +988,54 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         else:
             packing = Packing()
         return RefitPlan(tuple(specs), packing)
+
+
+def _newcomer_key(group_id: str) -> str:
+    """The key an engine catching up sets in its peer's rendezvous store once it is about to
+    join: the peer forms the group only then (ServeCatchUp)."""
+    return f"refit_grpc/catch-up/{group_id}/newcomer"
+
+
+def _received_key(group_id: str) -> str:
+    """The key an engine catching up sets once every byte landed: the peer closes its
+    rendezvous (and ends ServeCatchUp with SENT) only then."""
+    return f"refit_grpc/catch-up/{group_id}/received"
+
+
+class _PeerWatch:
+    """Watches a catch-up's peer while its bytes come: gloo does not fail a pending receive
+    when the sending process dies (measured: the receive waits out its deadline), but the
+    peer's rendezvous listener, which it keeps open until the newcomer confirms receipt, is
+    gone at once. A refused connection there cancels the catch-up and closes its group."""
+
+    def __init__(self, host: str, port: int, deadline: Deadline, close_group) -> None:
+        self._address = (host, port)
+        self._deadline = deadline
+        self._close_group = close_group
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="catch-up-watch")
+        self.peer_lost = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                socket.create_connection(self._address, timeout=1.0).close()
+            except OSError:
+                if self._stop.is_set():
+                    return
+                log.warning("catch-up: the peer's rendezvous at %s:%d is gone", *self._address)
+                self.peer_lost = True
+                self._deadline.cancel.set()
+                self._close_group()
+                return
 
 
 def _pause_mode(value: int, default: PauseMode) -> PauseMode:

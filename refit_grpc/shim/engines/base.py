@@ -15,6 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -303,6 +304,36 @@ class Engine(ABC):
         """Forget the staged copy (its memory may be kept for the next epoch). Never blocks;
         a no-op when nothing is staged (by default: an engine that cannot stage)."""
         return None
+
+    # --- catch-up from a peer (docs/protocol.md, "Catch-up from a peer") ------------------------
+    # The engine catching up needs nothing more than staging: the shim joins it to the peer's
+    # two-rank group (`init_transfer`), stages (`stage`) and flips (`flip`). The peer needs this:
+
+    @property
+    def supports_serving_copy(self) -> bool:
+        """Whether `serve_copy` works; the shim refuses ServeCatchUp before LISTENING
+        (CATCH_UP_UNSUPPORTED) when it does not."""
+        return False
+
+    def serve_copy(self, spec: GroupSpec, store: Any, deadline: Deadline,
+                   on_bucket: Callable[[Bucket], None] | None = None) -> None:
+        """Join `spec`'s group as its rank 0, hosting the rendezvous on `store` (a listening
+        `torch.distributed.TCPStore`, `collective.bind_master_store`), broadcast the committed
+        copy (`committed_copy`) bucket by bucket, and leave the group. The engine keeps
+        serving; the shim guarantees nothing writes the copy meanwhile (no epoch runs).
+
+        Args:
+            spec: the two-rank (1 + the newcomer's world size) group, rank 0.
+            store: the rendezvous store the shim bound at `spec.master_port`.
+            deadline: when every bucket must have been sent, or the call must raise.
+            on_bucket: runs after each bucket's broadcast was posted.
+
+        Raises:
+            RefitError: the transfer failed (the newcomer died, the deadline, an Abort); the
+                copy and the live weights are untouched either way.
+        """
+        raise FailedPreconditionError(f"the {self.kind} engine cannot serve its committed copy",
+                                      reason=Reason.CATCH_UP_UNSUPPORTED)
 
     @abstractmethod
     def abort_transfer(self) -> None:

@@ -16,11 +16,12 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from refit_grpc.canary import teacher_forced_logprobs
-from refit_grpc.collective import Group, copy_bytes, receive
+from refit_grpc.collective import Group, broadcast_buckets, copy_bytes, receive
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.delta import receive_delta
 from refit_grpc.errors import (
@@ -134,6 +135,7 @@ class ReferenceEngine(Engine):
         self._flat_offsets: list[int] = []
         # Staged epochs land here while the live weights keep serving (allocated at the first).
         self._staging = StagingCopy()
+        self._serving: Group | None = None  # the group a catch-up is served over, while it runs
 
     @property
     def world_size(self) -> int:
@@ -257,7 +259,7 @@ class ReferenceEngine(Engine):
 
     def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:
         self.abort_transfer()
-        group = Group.join(spec, deadline.check("rendezvous"))
+        group = Group.join(spec, deadline.check("rendezvous"), cancel=deadline.cancel)
         with self._lock:
             self._group = group
 
@@ -426,10 +428,33 @@ class ReferenceEngine(Engine):
     def drop_staged(self) -> None:
         self._staging.invalidate()
 
+    # --- catch-up: serving the committed copy to a peer ---------------------------------------
+
+    @property
+    def supports_serving_copy(self) -> bool:
+        return True
+
+    def serve_copy(self, spec: GroupSpec, store: Any, deadline: Deadline,
+                   on_bucket: Callable[[Bucket], None] | None = None) -> None:
+        plan = self._staging.plan
+        if self.committed_copy is None or plan is None:
+            raise FailedPreconditionError("no committed copy to serve",
+                                          reason=Reason.PEER_COPY_MISMATCH)
+        group = Group.join(spec, deadline.check("catch-up rendezvous"), store=store)
+        with self._lock:
+            self._serving = group  # abort_transfer() closes it too
+        try:
+            broadcast_buckets(group, plan, self._staging.bucket_view, deadline, on_bucket)
+        finally:
+            with self._lock:
+                self._serving = None
+            group.close()
+
     def abort_transfer(self) -> None:
         with self._lock:
-            group, self._group = self._group, None
-        if group is not None:
+            groups = [g for g in (self._group, self._serving) if g is not None]
+            self._group = self._serving = None
+        for group in groups:
             group.close()
 
     def tensor(self, name: str) -> torch.Tensor:

@@ -1,0 +1,216 @@
+"""Catch-up from a peer: an engine that joins (new, restarted, or left behind) gets the fleet's
+current version from a member's committed copy, not from the trainer (docs/protocol.md,
+"Catch-up from a peer").
+
+The peer hosts a two-rank rendezvous of its own (ServeCatchUp answers LISTENING with the port),
+the engine catching up joins it (CatchUp), the peer broadcasts its committed copy bucket by
+bucket, the newcomer stages it, checks the staged digest against the fleet's, and loads it as a
+Flip does. The trainer only makes the two calls: none of the bytes pass through it, and its
+data group is not involved, so it can keep training, and the rest of the fleet keeps serving.
+
+Fencing: the fleet asks only a peer whose committed copy (Describe `committed_copy_version` /
+`_digest`) is the version and staged digest of the fleet's last staged epoch; the peer refuses
+any other (PEER_COPY_MISMATCH) and the newcomer refuses bytes with another digest
+(STAGED_DIGEST_MISMATCH) before it loads anything.
+
+`Fleet.catch_up()` and `Fleet.catch_up_async()` choose the peers and apply the outcome to the
+fleet's membership; this module runs one catch-up against an ordered list of peers.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from refit_grpc.common import PauseMode
+from refit_grpc.driver.epoch import WorkerLink
+from refit_grpc.driver.failures import FleetError, WorkerFailure, failure_from_rpc
+from refit_grpc.plan import RefitPlan
+from refit_grpc.proto import PAUSE_MODE_TO_PROTO, pb
+from refit_grpc.reasons import Reason
+
+log = logging.getLogger(__name__)
+
+
+class CatchUpError(FleetError):
+    """An engine could not catch up from any peer (CATCH_UP_FAILED: each peer tried is named
+    with its cause, root causes first) or no member holds the fleet's version
+    (NO_CATCH_UP_PEER). The engine is as it was; the next epoch brings it to the fleet's
+    version."""
+
+    default_reason = Reason.CATCH_UP_FAILED
+
+
+@dataclass(frozen=True)
+class CatchUpReport:
+    """One catch-up that succeeded.
+
+    Args:
+        instance_id: the engine that caught up.
+        peer: the member whose committed copy it received.
+        version: the version it serves now.
+        bytes: bytes received.
+        seconds: the whole catch-up as the driver saw it (peers that failed first included).
+        transfer_seconds: the serving peer's transfer (rendezvous to the last bucket checked).
+        stall_seconds: how long the engine stopped generating for the load.
+        failed_peers: peers tried before, each with why it could not serve.
+    """
+
+    instance_id: str
+    peer: str
+    version: int
+    bytes: int
+    seconds: float
+    transfer_seconds: float
+    stall_seconds: float
+    failed_peers: tuple[WorkerFailure, ...] = ()
+
+
+def listen_address(address: str) -> str:
+    """The IP address of a shim's gRPC target ("host:port"), which its ServeCatchUp listens
+    at: the address this driver reaches the peer by, so the newcomer, on the same network,
+    reaches it there too."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return socket.gethostbyname(host)
+
+
+def catch_up_from_peers(target: WorkerLink, peers: Sequence[WorkerLink], *, version: int,
+                        staged_digest: str, plan: RefitPlan, target_world_size: int,
+                        target_instance: str, timeout_s: float,
+                        pause_mode: PauseMode = PauseMode.KEEP) -> CatchUpReport:
+    """Catch `target` up to `version` from the first of `peers` that serves it.
+
+    Args:
+        target: the engine catching up (prepared with `plan`).
+        peers: members holding `version` with `staged_digest` in their committed copy, in the
+            order to try them.
+        version, staged_digest: the fleet's version and its staged digest.
+        plan: the fleet's plan.
+        target_world_size: the target's ranks (Describe `engine_world_size`).
+        target_instance: the target's instance id as Describe says it now (a restart since
+            makes its CatchUp refuse: MEMBERSHIP_CHANGED).
+        timeout_s: each attempt's deadline.
+        pause_mode: how the target pauses its requests for the load.
+
+    Returns:
+        The report of the attempt that succeeded.
+
+    Raises:
+        CatchUpError: every peer failed (each named, with the target's own failure if it had
+            one), or the target refused on its own (then no other peer is tried).
+    """
+    t0 = time.monotonic()
+    failed: list[WorkerFailure] = []
+    for peer in peers:
+        try:
+            answer, served = _attempt(target, peer, version=version, staged_digest=staged_digest,
+                                      plan=plan, world_size=1 + target_world_size,
+                                      target_instance=target_instance, timeout_s=timeout_s,
+                                      pause_mode=pause_mode)
+        except _AttemptFailed as e:
+            failed.extend(e.failures)
+            if not e.peer_to_blame:
+                break  # the target itself refused or failed: another peer would not help
+            log.warning("catch-up of %s from %s failed (%s); %s", target.endpoint.instance_id,
+                        peer.endpoint.instance_id, "; ".join(map(str, e.failures)),
+                        "trying the next peer" if peer is not peers[-1] else "no peer left")
+            continue
+        log.info("%s caught up to version %d from %s: %d bytes, transfer %.3fs, stall %.3fs",
+                 target.endpoint.instance_id, version, peer.endpoint.instance_id,
+                 answer.bytes_received, answer.transfer_seconds, answer.stall_seconds)
+        return CatchUpReport(target.endpoint.instance_id, peer.endpoint.instance_id, version,
+                             answer.bytes_received, time.monotonic() - t0,
+                             served.seconds if served else answer.transfer_seconds,
+                             answer.stall_seconds, tuple(failed))
+    raise CatchUpError(f"{target.endpoint.instance_id} could not catch up to version {version} "
+                       f"from {len(peers)} peer(s); it stays as it was, the next epoch brings it "
+                       "to the fleet's version", failed)
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, failures: list[WorkerFailure], peer_to_blame: bool):
+        self.failures = failures
+        self.peer_to_blame = peer_to_blame
+
+
+def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_digest: str,
+             plan: RefitPlan, world_size: int, target_instance: str, timeout_s: float,
+             pause_mode: PauseMode) -> tuple[pb.CatchUpResponse, pb.ServeCatchUpResponse | None]:
+    """One catch-up from one peer: its LISTENING, the target's CatchUp, the peer's SENT."""
+    group_id = f"catchup-{uuid.uuid4().hex[:12]}"
+    address = listen_address(peer.endpoint.address)
+    serve: Any = peer.stub.ServeCatchUp(pb.ServeCatchUpRequest(
+        version=version, staged_digest=staged_digest, plan_digest=plan.digest,
+        listen_address=address, group_id=group_id, target_instance_id=target_instance,
+        world_size=world_size), timeout=timeout_s, metadata=peer.metadata)
+    try:
+        listening = next(serve)
+    except grpc.RpcError as e:
+        raise _AttemptFailed([failure_from_rpc(peer.endpoint, e)], True) from e
+    except StopIteration:
+        raise _AttemptFailed([WorkerFailure(
+            peer.endpoint.instance_id, peer.endpoint.address, grpc.StatusCode.INTERNAL,
+            Reason.DRIVER_ERROR, "ServeCatchUp ended before LISTENING")], True) from None
+    # The target's CatchUp runs on a thread of gRPC's own (a future), the peer's stream here.
+    call = target.stub.CatchUp.future(pb.CatchUpRequest(
+        version=version, staged_digest=staged_digest, plan_digest=plan.digest,
+        master_address=address, master_port=listening.master_port, group_id=group_id,
+        instance_id=target_instance, peer_instance_id=peer.endpoint.instance_id,
+        pause_mode=PAUSE_MODE_TO_PROTO[pause_mode]), timeout=timeout_s,
+        metadata=target.metadata)
+    served: pb.ServeCatchUpResponse | None = None
+    peer_failure: WorkerFailure | None = None
+    target_failed = threading.Event()
+
+    def on_target_done(c: Any) -> None:
+        if not c.cancelled() and c.exception() is not None:
+            # The peer would otherwise wait for a newcomer that is not coming, up to its deadline.
+            target_failed.set()
+            serve.cancel()
+
+    call.add_done_callback(on_target_done)
+    try:
+        for msg in serve:
+            served = msg
+    except grpc.RpcError as e:
+        if not target_failed.is_set():
+            # The target notices on its own, at once (its receive or rendezvous fails on the
+            # dead peer's sockets), and says so with its reason: its answer is awaited below.
+            peer_failure = failure_from_rpc(peer.endpoint, e)
+    try:
+        answer = call.result()
+    except grpc.RpcError as e:
+        serve.cancel()
+        mine = failure_from_rpc(target.endpoint, e)
+        if peer_failure is not None:
+            # The peer died or failed mid-transfer: the root cause, named first; the target's
+            # own report (COLLECTIVE_FAILED, naming the peer) follows.
+            raise _AttemptFailed([peer_failure, mine], True) from e
+        # The transfer broke on the way, or other bytes arrived: another peer may do; any other
+        # failure is the target's own, which no peer would change.
+        raise _AttemptFailed([mine], mine.reason in _TRY_ANOTHER_PEER) from e
+    if peer_failure is not None:
+        # The target has it all and checked the digest; the peer's stream failed afterwards.
+        log.warning("catch-up done, but the peer's stream ended with %s", peer_failure)
+    return answer, served
+
+
+# The target's failures after which another peer may succeed: the transfer broke (the peer's
+# end went away, timed out) or the bytes that landed were not the copy's.
+_TRY_ANOTHER_PEER = {Reason.COLLECTIVE_FAILED, Reason.GROUP_CLOSED, Reason.RENDEZVOUS_FAILED,
+                     Reason.RENDEZVOUS_TIMEOUT, Reason.RECEIVE_FAILED, Reason.DEADLINE_EXCEEDED,
+                     Reason.STAGED_DIGEST_MISMATCH}
+
+__all__ = ["CatchUpError", "CatchUpReport", "catch_up_from_peers", "listen_address"]
