@@ -119,6 +119,40 @@ def test_watch_repeats_until_interrupted(shim_procs, closed_port):
             proc.wait(10)
 
 
+def test_watch_follows_the_workers_file_and_shows_a_catch_up(shim_procs, tmp_path):
+    """An operator edits the workers file while `status --watch` runs: the next round follows
+    it. A catch-up under way shows in the VERSION column (the Describe fields behind it)."""
+    a, b = (shim_procs("--model", "none", "--instance-id", name) for name in ("a", "b"))
+    workers_file = tmp_path / "workers"
+    workers_file.write_text(f"a {a.address}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "refit_grpc.cli", "fleet", "status", "--json",
+                             "--watch", "0.2", "--workers-file", str(workers_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert [w["instance"] for w in first["workers"]] == ["a"] and "membership" not in first
+        workers_file.write_text(f"b {b.address}\n")  # a went away, b appeared
+        for _ in range(20):
+            doc = json.loads(proc.stdout.readline())
+            if "membership" in doc:
+                break
+        assert doc["membership"] == "+b -a", doc
+        assert [w["instance"] for w in doc["workers"]] == ["b"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    from refit_grpc.cli.fleet import StatusRow, render_status
+
+    table = render_status([
+        StatusRow("x", "h:1", True, "CATCHING_UP", 0, catching_up_from="p0",
+                  catch_up_fraction=0.5),
+        StatusRow("p0", "h:2", True, "READY", 7, serving_catch_up_to="x")])
+    assert "0 (catching up 50% from p0)" in table and "7 (serving x)" in table, table
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--worker", "w0"], "expected INSTANCE_ID=ADDRESS"),
     ([], "no workers"),

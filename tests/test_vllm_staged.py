@@ -36,7 +36,7 @@ import grpc
 import pytest
 import torch
 
-from support import info, join_trainer
+from support import describe, info, join_trainer
 from vllm_support import require_vllm, tiny_model_dir
 from vllm_support.servers import module_pool
 
@@ -516,6 +516,54 @@ def test_a_staged_epoch_through_a_real_shim_ends_staged_then_flips_with_its_cana
             link.close()
         fleet.close()
         assert shim.stop() is not None
+
+
+def test_a_vllm_engine_joins_the_fleet_by_catching_up_from_a_peer(server, trainer):
+    """(e) An engine joining by catch-up (docs/protocol.md, "Catch-up from a peer"): the
+    fleet's one member is a reference-engine shim (store mode, its own process) holding the
+    fleet's version in its committed copy; the vLLM shim is added and caught up from that peer
+    over a two-rank group of their own (the trainer only makes the two calls), its workers
+    staging the bytes and the flip loading them as any staged epoch's; then vLLM's
+    teacher-forced log-probabilities equal transformers'. The next staged epoch goes to both
+    (the group formed again with the newcomer), and vLLM serves that version too."""
+    peer = spawn_shim("--model", "none", "--instance-id", "peer-0",
+                      "--buffer-size-bytes", str(PACKING.buffer_size_bytes),
+                      "--num-buffers", str(PACKING.num_buffers))
+    shim = spawn_shim("--engine", "vllm", "--engine-url", server.url, "--instance-id",
+                      "vllm-joins", "--buffer-size-bytes", str(PACKING.buffer_size_bytes),
+                      "--num-buffers", str(PACKING.num_buffers), "--max-epoch-s", str(EPOCH_S))
+    fleet = Fleet([WorkerEndpoint(peer.instance_id, peer.address)], packing=PACKING,
+                  control_timeout_s=STEP_S, join_timeout_s=EPOCH_S, epoch_timeout_s=EPOCH_S)
+    link = None
+    try:
+        version, tensors = next_version(trainer)
+        fleet.prepare(info(tensors))
+        link = fleet.connect("127.0.0.1")
+        fleet.refit(link, tensors, version=version, mode="staged")
+
+        fleet.add(WorkerEndpoint(shim.instance_id, shim.address))
+        report = fleet.catch_up(shim.instance_id)
+        assert (report.peer, report.version) == ("peer-0", version), report
+        assert report.bytes == fleet.plan.total_bytes
+        trainer["version"] = version
+        d = describe(shim.address)
+        assert (d.weight_version, d.paused, d.catching_up_from) == (version, False, ""), d
+        assert_serves(server.url, trainer["model"], f"v{version} caught up from a peer")
+        print(f"\nvLLM caught up from a peer: {report.bytes / 2**20:.1f} MiB, "
+              f"{report.seconds * 1e3:.0f} ms (transfer {report.transfer_seconds * 1e3:.0f} ms,"
+              f" stall {report.stall_seconds * 1e3:.0f} ms)")
+
+        version, tensors = next_version(trainer)
+        epoch = fleet.refit(link, tensors, version=version, mode="staged")
+        assert [w.instance_id for w in epoch.workers] == ["peer-0", "vllm-joins"], epoch
+        trainer["version"] = version
+        assert_serves(server.url, trainer["model"], f"v{version}, the next epoch after")
+    finally:
+        if link is not None:
+            link.close()
+        fleet.close()
+        assert shim.stop() is not None
+        assert peer.stop() is not None
 
 
 # --- helpers of (c) ----------------------------------------------------------------------------

@@ -6,7 +6,11 @@ Workers come from repeatable `--worker INSTANCE_ID=ADDRESS` flags and/or `--work
 `--timeout-s` as its deadline. A worker that does not answer is a row with its error, never a
 crash; the exit status is 1 when any worker failed, 2 on a usage error.
 
-`status` fails a worker that is unreachable, BROKEN, or whose engine is unhealthy.
+`status` fails a worker that is unreachable, BROKEN, or whose engine is unhealthy. Its VERSION
+column notes a staged version, a catch-up under way ("catching up from PEER") and a peer serving
+one. `status --watch` reads `--workers-file` again every round and follows it: workers that
+appear are added, those that disappear removed, and the round says so ("# membership: +w3 -w1";
+in JSON, a "membership" key).
 """
 
 from __future__ import annotations
@@ -104,6 +108,11 @@ class StatusRow:
     # A staged version waiting for its flip (None: none), and the last flip's stall.
     staged_version: int | None = None
     last_stall_s: float | None = None
+    # A catch-up under way: the peer this engine receives from and the fraction landed, or
+    # the engine this one (a peer) serves.
+    catching_up_from: str = ""
+    catch_up_fraction: float | None = None
+    serving_catch_up_to: str = ""
 
 
 @dataclass
@@ -139,8 +148,17 @@ def status_rows(fleet) -> list[StatusRow]:
             canary_version=d.last_canary_version or None,
             canary_gap=d.last_canary_gap if d.last_canary_version and d.last_canary_gap >= 0
             else None, staged_version=d.staged_version or None,
-            last_stall_s=d.last_stall_seconds or None))
+            last_stall_s=d.last_stall_seconds or None,
+            catching_up_from=d.catching_up_from,
+            catch_up_fraction=_fraction(d.catch_up_bytes_received, fleet.plan)
+            if d.catching_up_from else None,
+            serving_catch_up_to=d.serving_catch_up_to))
     return rows
+
+
+def _fraction(received: int, plan) -> float | None:
+    """Of the plan's bytes, where the fleet knows its plan (the CLI does not: None)."""
+    return received / plan.total_bytes if plan is not None and plan.total_bytes else None
 
 
 def flush_rows(fleet, mode: str) -> list[ActionRow]:
@@ -203,7 +221,13 @@ def render_status(rows: list[StatusRow]) -> str:
     def version(r: StatusRow) -> str:
         if r.version is None:
             return "-"
-        return str(r.version) + (f" (staged {r.staged_version})" if r.staged_version else "")
+        notes = [f"staged {r.staged_version}"] if r.staged_version else []
+        if r.catching_up_from:
+            done = "" if r.catch_up_fraction is None else f" {r.catch_up_fraction:.0%}"
+            notes.append(f"catching up{done} from {r.catching_up_from}")
+        if r.serving_catch_up_to:
+            notes.append(f"serving {r.serving_catch_up_to}")
+        return str(r.version) + (f" ({', '.join(notes)})" if notes else "")
 
     table = format_table(
         ["INSTANCE", "ADDRESS", "STATE", "VERSION", "PLAN", "GROUP", "HEALTHY", "CANARY",
@@ -277,11 +301,15 @@ def _watch(fleet, args, out) -> int:
     code = 0
     try:
         while not stop.is_set():
+            change = _follow_workers_file(fleet, args)
             if not args.json:
                 if out.isatty():
                     out.write("\033[H\033[2J")
                 print(time.strftime("# %Y-%m-%d %H:%M:%S"), file=out)
-            code = _emit(status_rows(fleet), render_status, args.json, out)
+                if change:
+                    print(f"# membership: {change}", file=out)
+            code = _emit(status_rows(fleet), render_status, args.json, out,
+                         {"membership": change} if change else None)
             if not args.json:
                 print(file=out, flush=True)
             stop.wait(args.watch)
@@ -291,10 +319,27 @@ def _watch(fleet, args, out) -> int:
     return code
 
 
-def _emit(rows, render, as_json: bool, out) -> int:
+def _follow_workers_file(fleet, args) -> str:
+    """`--watch` with `--workers-file`: the file is read again every round and the fleet
+    follows it (`Fleet.sync`); returns what changed ("+new -gone"), "" when nothing did. A file
+    that cannot be read or parsed this round is skipped (the last membership stays)."""
+    if not args.workers_file:
+        return ""
+    from refit_grpc.driver.endpoint import WorkerEndpoint
+
+    try:
+        workers = parse_workers(args.worker, args.workers_file)
+    except (UsageError, OSError) as e:
+        return f"{args.workers_file} not followed this round: {e}"
+    added, removed = fleet.sync([WorkerEndpoint(i, a) for i, a in workers])
+    return " ".join([*(f"+{i}" for i in added), *(f"-{i}" for i in removed)])
+
+
+def _emit(rows, render, as_json: bool, out, extra: dict | None = None) -> int:
     ok = all(r.ok for r in rows)
     if as_json:
-        print(json.dumps({"ok": ok, "workers": [asdict(r) for r in rows]}), file=out, flush=True)
+        print(json.dumps({"ok": ok, "workers": [asdict(r) for r in rows], **(extra or {})}),
+              file=out, flush=True)
     else:
         print(render(rows), file=out, flush=True)
     return 0 if ok else 1
