@@ -133,7 +133,8 @@ def test_every_readme_grpcurl_line_is_run_here():
                readme_line("RefitService/Describe", "-plaintext"),
                readme_line("RefitService/Prepare"), readme_line("RefitService/Flush"),
                readme_line("RefitService/UpdateWeights"), readme_line("RefitService/Abort"),
-               readme_line("RefitService/Flip"),
+               readme_line("RefitService/Flip"), readme_line("RefitService/ServeCatchUp"),
+               readme_line("RefitService/CatchUp", "master_port"),
                readme_line("Health/Check"), readme_line("-cacert", "RefitService/Describe")]
     assert sorted(covered) == sorted(readme_grpcurl_lines())
 
@@ -191,6 +192,66 @@ def test_flip_with_nothing_staged_is_refused_with_its_reason(plain):
     text = out.stdout + out.stderr
     assert out.returncode == EXIT_FAILED_PRECONDITION, text
     assert error_info_reason(text) == "NOT_STAGED", text
+
+
+def test_a_catch_up_driven_with_the_readme_lines(tmp_path):
+    """The README's two catch-up lines, with the values an operator reads off Describe (and
+    the port off ServeCatchUp's LISTENING) put in: the engine catching up serves the peer's
+    version, byte for byte."""
+    import torch
+
+    from refit_grpc import Fleet, Packing, WorkerEndpoint
+    from refit_grpc.plan import weights_digest
+
+    peer = spawn_shim("--model", "none", "--instance-id", "w0")
+    newcomer = spawn_shim("--model", "none", "--instance-id", "w3")
+    serve = None
+    try:
+        tensors = {"w": torch.randn(64, 1024), "b": torch.randn(333).to(torch.bfloat16)}
+        shape = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+        with Fleet([WorkerEndpoint("w0", peer.address)], packing=Packing(1 << 16, 2)) as fleet:
+            fleet.prepare(shape)
+            link = fleet.connect("127.0.0.1")
+            fleet.refit(link, tensors, version=1, mode="staged")
+            fleet.refit(link, tensors, version=2, mode="staged")
+            link.close()
+        with Fleet([WorkerEndpoint("w3", newcomer.address)], packing=Packing(1 << 16, 2)) as f:
+            f.prepare(shape)
+        d = describe(peer.address)
+        assert d.committed_copy_version == 2
+
+        def filled(line: str) -> str:
+            return line.replace("3f9a1c", d.committed_copy_digest).replace(
+                "9e1d0b", d.plan_digest)
+
+        command = re.sub(r"(?<![\w.-])[\w.-]+:50051\b", peer.address,
+                         filled(readme_line("RefitService/ServeCatchUp")))
+        env = {**os.environ, "PATH": f"{grpcurl_dir()}{os.pathsep}{os.environ['PATH']}"}
+        serve = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env)
+        text = ""
+        while "master_port" not in text:  # grpcurl prints each message as it arrives
+            line = serve.stdout.readline()
+            assert line, serve.stderr.read()
+            text += line
+        while not text.rstrip().endswith("}"):
+            text += serve.stdout.readline()
+        listening = json.loads(text)
+        assert listening["phase"] == "SERVE_CATCH_UP_PHASE_LISTENING", listening
+        out = run(filled(readme_line("RefitService/CatchUp", "master_port")).replace(
+            "41234", str(listening["master_port"])), newcomer.address)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert json.loads(out.stdout)["version"] == "2"
+        rest, err = serve.communicate(timeout=30)
+        assert serve.returncode == 0 and "SERVE_CATCH_UP_PHASE_SENT" in rest, rest + err
+        n = describe(newcomer.address)
+        assert (n.weight_version, n.weights_digest) == (2, weights_digest(tensors.items()))
+    finally:
+        if serve is not None and serve.poll() is None:
+            serve.kill()
+            serve.wait(10)
+        peer.stop()
+        newcomer.stop()
 
 
 def test_abort(plain):
