@@ -193,6 +193,7 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
         answer = call.result()
     except grpc.RpcError as e:
         serve.cancel()
+        _await_serve_end(peer, timeout_s)
         mine = failure_from_rpc(target.endpoint, e)
         if peer_failure is not None:
             # The peer died or failed mid-transfer: the root cause, named first; the target's
@@ -205,6 +206,25 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
         # The target has it all and checked the digest; the peer's stream failed afterwards.
         log.warning("catch-up done, but the peer's stream ended with %s", peer_failure)
     return answer, served
+
+
+def _await_serve_end(peer: WorkerLink, timeout_s: float) -> None:
+    """Until the peer's ServeCatchUp has ended on its side too (Describe), at most a few
+    seconds: a cancelled stream ends at once here but its handler a moment later (it notices
+    within 20 ms), and the peer refuses every epoch, join and Prepare until then (BUSY). A
+    caller that goes on to the next epoch must not find it busy with a catch-up it gave up."""
+    end = time.monotonic() + min(timeout_s, 5.0)
+    while time.monotonic() < end:
+        try:
+            d = peer.stub.Describe(pb.DescribeRequest(skip_weights_digest=True), timeout=1.0,
+                                   metadata=peer.metadata)
+        except grpc.RpcError:
+            return  # gone or not answering: nothing to wait for
+        if not d.serving_catch_up_to:
+            return
+        time.sleep(0.02)
+    log.warning("%s still serves a catch-up %.0fs after it was cancelled",
+                peer.endpoint.instance_id, min(timeout_s, 5.0))
 
 
 # The target's failures after which another peer may succeed: the transfer broke (the peer's

@@ -69,6 +69,10 @@ from refit_grpc.staging import StagedDigest
 
 log = logging.getLogger(__name__)
 
+# What a member that is gone answers (dead, or too frozen to answer in time): a staged epoch's
+# re-forming goes on without it.
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
 # A staged epoch forms its group again without the engines that failed at most this often:
 # each round loses at least one engine, and a fault that follows every round is not one engine's.
 _MAX_REFORMS = 3
@@ -1222,8 +1226,8 @@ class Fleet:
     def _reform(self, link: TrainerLink, members: Sequence[int], *,
                 leave_behind: bool = False) -> dict[int, WorkerFailure]:
         """Form a new group of `members` only, the trainer's end replacing `link`'s (gloo).
-        With `leave_behind`, members that fail Prepare are left behind instead of failing it
-        all (returned, by worker index)."""
+        With `leave_behind`, members that do not answer Prepare (dead, frozen) are left behind
+        instead of failing it all (returned, by worker index); a refusal still raises."""
         if not isinstance(link, GlooLink):
             raise FleetStateError("a staged epoch re-forms its group without the engines that "
                                   "failed, which only the gloo link can do; connect() again",
@@ -1241,6 +1245,9 @@ class Fleet:
             answers = dict(zip(members, self._unary_each(
                 "Prepare", lambda w: self._prepare_request(), self._member_links(members))))
             failed = {i: a for i, a in answers.items() if isinstance(a, WorkerFailure)}
+            refusals = [f for f in failed.values() if f.code not in _GONE]
+            if refusals:  # alive and saying no (BUSY, ...): the trainer's to decide, not ours
+                raise FleetError("Prepare: prepare failed", refusals, reason=refusals[0].reason)
             if failed:
                 log.warning("re-forming without %s: %s", ", ".join(
                     f.instance_id for f in failed.values()), "; ".join(map(str, failed.values())))
