@@ -104,10 +104,14 @@ def test_membership_misuse_is_refused_typed(shims):
 
 def test_twenty_staged_epochs_with_random_adds_removes_and_kills(shim_procs):
     """Seeded churn, real shim processes and real SIGKILLs: after every epoch each member holds
-    exactly the trainer's weights at that version; the dead are left behind, restarted ones
-    readmitted and caught up by the next epoch."""
+    exactly the trainer's weights at that version; the dead are left behind; restarted ones
+    rejoin by catch-up from a peer (docs/protocol.md, "Catch-up from a peer"), byte-exact at
+    the fleet's version before the next epoch; added ones half by catch-up, half by the next
+    epoch. Epochs are deltas whenever every member's committed copy is the base."""
     import random
     import signal
+
+    from refit_grpc import CatchUpError
 
     from support import describe_or_none
 
@@ -121,8 +125,15 @@ def test_twenty_staged_epochs_with_random_adds_removes_and_kills(shim_procs):
         procs[name] = shim_procs(*args)
         return procs[name]
 
+    def caught_up(name: str, version: int) -> None:
+        report = fleet.catch_up(name)
+        d = describe_or_none(procs[name].address)
+        assert report.version == version and d.weight_version == version, (name, events)
+        assert d.weights_digest == weights_digest(weights(version).items()), (name, events)
+
     first = [start(next(names)) for _ in range(3)]
     dead: list[str] = []
+    deltas = adds = 0
     with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in first],
                packing=Packing(1 << 16, 2), epoch_timeout_s=20, control_timeout_s=5) as fleet:
         fleet.prepare(info(weights(1)))
@@ -133,6 +144,10 @@ def test_twenty_staged_epochs_with_random_adds_removes_and_kills(shim_procs):
             action = rng.choice(["none", "none", "add", "remove", "kill", "restart"])
             if action == "add":
                 fleet.add(WorkerEndpoint((s := start(next(names))).instance_id, s.address))
+                adds += 1
+                if version > 1 and adds % 2 == 0:  # every other one by catch-up
+                    caught_up(s.instance_id, version - 1)
+                    action = "add+catch-up"
             elif action == "remove" and len(members) > 1:
                 fleet.remove(rng.choice(members))
             elif action == "kill" and len(members) > 1:
@@ -144,12 +159,19 @@ def test_twenty_staged_epochs_with_random_adds_removes_and_kills(shim_procs):
                 name = dead.pop(0)
                 start(name, procs[name].address)
                 if name in fleet.left_behind:
-                    fleet.readmit(name)
+                    try:
+                        caught_up(name, version - 1)  # readmitted by it
+                        action = "restart+catch-up"
+                    except CatchUpError as e:  # no peer holds the version: the epoch will
+                        assert e.reason == "NO_CATCH_UP_PEER", e
+                        fleet.readmit(name)
             else:
                 action = "none"
             events.append(action)
             tensors = weights(version)
-            report = fleet.refit(link, tensors, version=version, mode="staged", min_engines=1)
+            report = fleet.refit(link, tensors, version=version, mode="staged", min_engines=1,
+                                 delta=True)
+            deltas += report.delta
             want = weights_digest(tensors.items())
             assert {w.instance_id for w in report.workers} == \
                 {e.instance_id for e in fleet.members}, (version, events)
@@ -157,6 +179,6 @@ def test_twenty_staged_epochs_with_random_adds_removes_and_kills(shim_procs):
                 d = describe_or_none(e.address)
                 assert d is not None and d.weight_version == version, (e.instance_id, events)
                 assert d.weights_digest == want, (e.instance_id, version, events)
-        assert set(events) >= {"add", "kill", "restart"}, events
-    print(f"\nCHURN 20 staged epochs: {events}; finally {len(fleet.members)} members, "
-          f"{len(fleet.left_behind)} left behind")
+        assert set(events) >= {"add", "kill", "restart+catch-up", "add+catch-up"}, events
+    print(f"\nCHURN 20 staged epochs ({deltas} of them deltas): {events}; finally "
+          f"{len(fleet.members)} members, {len(fleet.left_behind)} left behind")
