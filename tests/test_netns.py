@@ -16,17 +16,9 @@ created (not root, no CAP_NET_ADMIN, no `ip`); the skip message gives the reason
 
 from __future__ import annotations
 
-import ipaddress
-import os
-import queue
 import secrets
-import shutil
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import pytest
@@ -46,7 +38,7 @@ from refit_grpc.collective import Sender
 from refit_grpc.driver.links import GlooLink
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
-from refit_grpc.shim.process import READY_PREFIX, ShimProcess
+from refit_grpc.testing.netns import Hosts, NetnsShim, netns_unavailable
 
 from support import describe, info
 
@@ -63,178 +55,35 @@ CUT_AFTER_BUCKET = 3     # the trainer cuts the link once it has posted this buc
 VICTIM_BYTES_S = 5.0     # ... and the victim has applied at least one bucket (bounded wait)
 
 
-# --- namespaces ---------------------------------------------------------------------------------
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=15)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")
-    return r
-
-
-_probe: list[str | None] = []
-
-
-def _netns_unavailable() -> str | None:
-    """Why network namespaces cannot be created here (checked once), or None."""
-    if not _probe:
-        if shutil.which("ip") is None:
-            _probe.append("the `ip` command (iproute2) is not installed")
-        else:
-            name = f"rg-probe-{secrets.token_hex(3)}"
-            r = _ip("netns", "add", name, check=False)
-            if r.returncode == 0:
-                _ip("netns", "del", name, check=False)
-                _probe.append(None)
-            else:
-                _probe.append(f"`ip netns add` failed ({r.returncode}): "
-                              f"{(r.stderr or r.stdout).strip()}")
-    return _probe[0]
-
-
-def _pick_subnet() -> ipaddress.IPv4Network:
-    """A 10.231.X.0/24 that no interface or route here uses yet (parallel runs pick apart)."""
-    used = _ip("-4", "-o", "addr", "show").stdout + _ip("-4", "route", "show", "table", "all").stdout
-    for _ in range(64):
-        net = ipaddress.ip_network(f"10.231.{secrets.randbelow(256)}.0/24")
-        if f"10.231.{net.network_address.packed[2]}." not in used:
-            return net
-    raise RuntimeError("no free 10.231.X.0/24 subnet")
-
-
-@dataclass
-class Host:
-    ns: str
-    veth: str        # root-namespace end, enslaved to the bridge: the cable
-    address: str     # the namespace's address
-
-
-@dataclass
-class Net:
-    subnet: ipaddress.IPv4Network
-    bridge: str
-    master: str
-    hosts: list[Host] = field(default_factory=list)
-
-    def cut(self, i: int) -> None:
-        _ip("link", "set", self.hosts[i].veth, "down")
-
-    def restore(self, i: int) -> None:
-        _ip("link", "set", self.hosts[i].veth, "up")
+# --- namespaces (refit_grpc.testing.netns) ------------------------------------------------------
 
 
 @pytest.fixture
 def net():
-    reason = _netns_unavailable()
+    reason = netns_unavailable()
     if reason is not None:
         pytest.skip(f"cannot create network namespaces: {reason}")
-    sfx = secrets.token_hex(3)
-    subnet = _pick_subnet()
-    base = subnet.network_address
-    n = Net(subnet, f"rgb{sfx}", str(base + 1))
+    n = Hosts(N_SHIMS)
     try:
-        _ip("link", "add", n.bridge, "type", "bridge")
-        _ip("addr", "add", f"{n.master}/24", "dev", n.bridge)
-        _ip("link", "set", n.bridge, "up")
-        for i in range(N_SHIMS):
-            h = Host(f"rg-{sfx}-{i}", f"rgv{sfx}{i}", str(base + 10 + i))
-            _ip("netns", "add", h.ns)
-            n.hosts.append(h)
-            peer = f"rgp{sfx}{i}"
-            _ip("link", "add", h.veth, "type", "veth", "peer", "name", peer, "netns", h.ns)
-            _ip("link", "set", h.veth, "master", n.bridge)
-            _ip("link", "set", h.veth, "up")
-            _ip("-n", h.ns, "addr", "add", f"{h.address}/24", "dev", peer)
-            _ip("-n", h.ns, "link", "set", peer, "up")
-            _ip("-n", h.ns, "link", "set", "lo", "up")
+        n.create()
         yield n
     finally:
-        leftovers = []
-        for h in n.hosts:
-            _ip("link", "del", h.veth, check=False)  # gone with its namespace if already deleted
-            if _ip("netns", "del", h.ns, check=False).returncode != 0:
-                leftovers.append(h.ns)
-        if _ip("link", "del", n.bridge, check=False).returncode != 0 \
-                and _ip("link", "show", n.bridge, check=False).returncode == 0:
-            leftovers.append(n.bridge)
-        listed = _ip("netns", "list", check=False).stdout
-        leftovers += [h.ns for h in n.hosts if h.ns in listed]
+        leftovers = n.delete()
         assert not leftovers, f"test network not torn down: {leftovers}"
-
-
-# --- shims inside the namespaces -----------------------------------------------------------------
-
-
-@dataclass
-class NetnsShim:
-    shim: ShimProcess
-    host: Host
-    log: Path
-
-
-def _start_shims(n: Net, token: str, logs: Path) -> list[NetnsShim]:
-    """`ip netns exec NS python -m refit_grpc.cli shim ...`, all started at once, each waited for
-    (bounded) until it prints its ready line. `ip netns exec` execs, so the pid is the shim's."""
-    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    env["REFIT_GRPC_TOKEN"] = token
-    started: list[tuple[subprocess.Popen, Host, Path, queue.Queue]] = []
-    for i, h in enumerate(n.hosts):
-        log = logs / f"shim-n{i}.log"
-        cmd = ["ip", "netns", "exec", h.ns, sys.executable, "-m", "refit_grpc.cli",
-               "--log-level", "INFO", "shim", "--address", f"{h.address}:0",
-               "--allow-master", str(n.subnet), "--model", "none", "--instance-id", f"n{i}",
-               "--max-epoch-s", str(MAX_EPOCH_S), "--grace-s", "2",
-               "--buffer-size-bytes", str(BUFFER), "--num-buffers", "2"]
-        with log.open("w") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        lines: queue.Queue = queue.Queue()
-
-        def pump(p: subprocess.Popen = proc, q: queue.Queue = lines) -> None:
-            for line in p.stdout:
-                q.put(line)
-            q.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        started.append((proc, h, log, lines))
-    shims: list[NetnsShim] = []
-    end = time.monotonic() + START_S
-    try:
-        for proc, h, log, lines in started:
-            while True:
-                try:
-                    line = lines.get(timeout=max(end - time.monotonic(), 0.01))
-                except queue.Empty:
-                    raise TimeoutError(f"shim in {h.ns} not serving within {START_S}s: "
-                                       f"{log.read_text()[-2000:]}") from None
-                if line is None:
-                    raise RuntimeError(f"shim in {h.ns} exited ({proc.wait(5)}) before serving: "
-                                       f"{log.read_text()[-2000:]}")
-                if line.startswith(READY_PREFIX):
-                    address, instance_id = line[len(READY_PREFIX):].split()
-                    shims.append(NetnsShim(ShimProcess(proc, address, instance_id), h, log))
-                    break
-    except BaseException:
-        for proc, *_ in started:
-            proc.kill()
-            proc.wait(10)
-        raise
-    return shims
 
 
 @pytest.fixture
 def netns_shims(net, tmp_path):
     """Starts the shims; on teardown every one must have exited (SIGTERM, then SIGKILL)."""
-    made: list[NetnsShim] = []
 
     def start(token: str) -> list[NetnsShim]:
-        made.extend(_start_shims(net, token, tmp_path))
-        return made
+        return net.start_shims(
+            [("--model", "none", "--instance-id", f"n{i}", "--max-epoch-s", str(MAX_EPOCH_S),
+              "--grace-s", "2", "--buffer-size-bytes", str(BUFFER), "--num-buffers", "2")
+             for i in range(N_SHIMS)], tmp_path, token=token, start_s=START_S)
 
     yield start
-    for s in made:
-        s.shim.stop(timeout_s=10)
-    alive = [s.host.ns for s in made if s.shim.proc.poll() is None]
+    alive = net.stop_shims(timeout_s=10)
     assert not alive, f"shim processes outlived the test: {alive}"
 
 
@@ -337,7 +186,7 @@ def test_link_cut_mid_broadcast_fails_fast_naming_the_host_and_recovers(
                 link.close()
 
 
-def _run_phases(fleet: Fleet, net: Net, shims: list[NetnsShim], token: str,
+def _run_phases(fleet: Fleet, net: Hosts, shims: list[NetnsShim], token: str,
                 progress: dict[str, int], changed: threading.Condition, on_progress,
                 links: list[GlooLink], t_start: float) -> None:
     """Healthy epoch; link cut mid-broadcast; checks on every host; flush refused; recovery."""

@@ -77,8 +77,20 @@ def _bench_delta(args: argparse.Namespace) -> int:
 
     run_bench_delta(workers=args.world - 1, total_mb=args.total_mb, reps=args.reps,
                     fractions=[float(f) for f in args.fractions.split(",")],
-                    buffer_size_bytes=args.buffer_size_bytes, lr=args.lr)
+                    buffer_size_bytes=args.buffer_size_bytes, lr=args.lr,
+                    link_gbit=args.link_gbit)
     return 0
+
+
+def link_gbit(text: str) -> float:
+    """`--link-gbit`: a link's rate in Gbit/s, positive and finite."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < rate < float("inf"):
+        raise argparse.ArgumentTypeError(f"a link's rate must be positive and finite: {text!r}")
+    return rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     delta.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
     delta.add_argument("--lr", type=float, default=1e-6,
                        help="the SGD step whose changed fraction is measured (and added)")
+    delta.add_argument("--link-gbit", type=link_gbit, default=None, metavar="RATE",
+                       help="each engine in its own network namespace behind a link limited to "
+                            "RATE Gbit/s each way (tc; needs root); default: loopback")
     delta.set_defaults(func=_bench_delta)
 
     args = parser.parse_args(argv)

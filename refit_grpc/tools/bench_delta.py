@@ -8,15 +8,25 @@ one before in a given fraction of the elements. Per fraction, medians of `reps` 
 the wire, epoch time and the trainer's CPU, delta against full. One more row measures the
 fraction a real step changes: a tiny LM in bf16, one SGD step at a learning rate RL uses, the
 words that changed.
+
+On loopback by default; with `link_gbit`, every engine's shim runs in a network namespace of its
+own behind a link limited to that rate in each direction (`refit_grpc.testing.netns`: a veth pair
+on a bridge, tc's token-bucket filter on both ends; needs root), the trainer in the root
+namespace, its gloo master on the bridge.
 """
 
 from __future__ import annotations
 
+import os
 import resource
+import secrets
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 
@@ -72,6 +82,48 @@ def sgd_step_fraction(lr: float = 1e-6, seed: int = 0) -> float:
     return changed / total
 
 
+def cpu_breakdown(plan: RefitPlan, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+                  ) -> dict[str, float]:
+    """The per-bucket CPU work of one delta epoch from `old` to `new`, with no wire, on this
+    thread, in seconds: the trainer's pack, compare + encode, staged-digest CRC and base update;
+    one engine's apply and CRC. What bounds a delta epoch once the wire is not the bottleneck."""
+    from refit_grpc.collective import copy_bytes, pack_into
+    from refit_grpc.delta import apply, encode, flat_copy
+    from refit_grpc.staging import bucket_checksum
+
+    base = flat_copy(plan, old)
+    engine = base.clone()  # the engine's committed copy
+    biggest = max(b.nbytes for b in plan.buckets)
+    packed = torch.empty(biggest, dtype=torch.uint8)
+    scratch = torch.empty(biggest, dtype=torch.uint8)
+    received = torch.empty(biggest, dtype=torch.uint8)
+    t = dict.fromkeys(("pack", "encode", "crc", "base", "apply", "engine crc"), 0.0)
+    offset = 0
+    for b in plan.buckets:
+        t0 = time.perf_counter()
+        buf = pack_into(packed, [new[s.name] for s in plan.tensors[b.start:b.stop]])
+        t1 = time.perf_counter()
+        encoding, payload, _ = encode(buf, base[offset:offset + b.nbytes], scratch)
+        t2 = time.perf_counter()
+        bucket_checksum(buf)
+        t3 = time.perf_counter()
+        copy_bytes(base[offset:offset + b.nbytes], buf)
+        t4 = time.perf_counter()
+        target = engine[offset:offset + b.nbytes]
+        wire = received[:payload.numel()]
+        copy_bytes(wire, payload)  # what gloo would have written (not timed)
+        t5 = time.perf_counter()
+        apply(encoding, wire, target)
+        t6 = time.perf_counter()
+        bucket_checksum(target)
+        t7 = time.perf_counter()
+        for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t6 - t5, t7 - t6)):
+            t[k] += dt
+        offset += b.nbytes
+    assert torch.equal(engine, base), "the engine's copy differs from the trainer's"
+    return t
+
+
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -79,8 +131,10 @@ def _cpu_s() -> float:
 
 def run_bench_delta(workers: int = 1, total_mb: float = 1024, reps: int = 3,
                     fractions: Sequence[float] = FRACTIONS, buffer_size_bytes: int = 64 << 20,
-                    lr: float = 1e-6, out=sys.stdout) -> dict[float, dict[str, float]]:
-    """Both fleets side by side (module docstring); prints the table, returns the medians."""
+                    lr: float = 1e-6, link_gbit: float | None = None,
+                    out=sys.stdout) -> dict[float, dict[str, float]]:
+    """Both fleets side by side (module docstring); prints the table, returns the medians.
+    `link_gbit`: each engine in its own network namespace behind a link of that rate."""
     from refit_grpc.driver import Fleet, WorkerEndpoint
 
     run = Run("bench-delta", None, out)
@@ -92,17 +146,30 @@ def run_bench_delta(workers: int = 1, total_mb: float = 1024, reps: int = 3,
         f"{len(plan.buckets)} buckets; {workers} receiver(s) per fleet; {reps} reps per "
         f"fraction after one warm-up; one SGD step at lr {lr:g} on a bf16 tiny LM changes "
         f"{step:.4%} of its words")
+    say("link: loopback" if link_gbit is None else
+        f"link: each engine in its own network namespace behind a {link_gbit:g} Gbit/s link "
+        "(tc tbf on both ends of its veth), the trainer in the root namespace; a full epoch's "
+        f"bytes take {plan.total_bytes * 8 / (link_gbit * 1e9):.2f} s at that rate")
     fractions = sorted({*fractions, round(step, 6)} - {0.0})
     fleets = {}
     results: dict[float, dict[str, list[float]]] = {}
+    breakdown: dict[float, dict[str, float]] = {}
+    stack = ExitStack()
     try:
-        for arm in ("full", "delta"):
+        if link_gbit is None:
+            master, security = "127.0.0.1", None
             shims = run.spawn_shims([("--model", "none", "--instance-id", f"{arm}-{i}")
-                                     for i in range(workers)], buffer_size_bytes)[-workers:]
-            fleet = Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
-                          packing=plan.packing, epoch_timeout_s=600)
+                                     for arm in ("full", "delta") for i in range(workers)],
+                                    buffer_size_bytes)
+        else:
+            master, security, shims = _netns_shims(stack, workers, link_gbit,
+                                                   buffer_size_bytes)
+        for k, arm in enumerate(("full", "delta")):
+            fleet = Fleet([WorkerEndpoint(s.instance_id, s.address)
+                           for s in shims[k * workers:(k + 1) * workers]],
+                          packing=plan.packing, epoch_timeout_s=600, security=security)
             fleet.prepare(plan.state_dict_info())
-            fleets[arm] = (fleet, fleet.connect("127.0.0.1"))
+            fleets[arm] = (fleet, fleet.connect(master))
         g = torch.Generator().manual_seed(0)
         current = materialize(specs)
         version = 0
@@ -128,6 +195,8 @@ def run_bench_delta(workers: int = 1, total_mb: float = 1024, reps: int = 3,
                     rows[f"{arm}_s"].append(seconds)
                     rows[f"{arm}_cpu"].append(cpu)
                     rows[f"{arm}_bytes"].append(wire)
+            before = current
+            breakdown[fraction] = cpu_breakdown(plan, before, perturbed(before, fraction, g))
             say(f"fraction {fraction:g} done")
         base_mb = fleets["delta"][0].delta_base_bytes / 1e6
     finally:
@@ -135,6 +204,7 @@ def run_bench_delta(workers: int = 1, total_mb: float = 1024, reps: int = 3,
             link.close()
             fleet.close()
         run.teardown()
+        stack.close()
     medians = {f: {k: statistics.median(v) for k, v in rows.items()}
                for f, rows in results.items()}
     gib = plan.total_bytes / (1 << 30)
@@ -145,10 +215,39 @@ def run_bench_delta(workers: int = 1, total_mb: float = 1024, reps: int = 3,
             f"{m['delta_s'] / m['full_s']:6.2f}x {m['full_bytes'] / 1e6:8.1f} "
             f"{m['delta_bytes'] / 1e6:9.1f} {m['delta_bytes'] / m['full_bytes']:6.2%} "
             f"{m['full_cpu'] / gib:15.2f} {m['delta_cpu'] / gib:16.2f}")
+    say("the CPU work of one delta epoch alone (no wire, one thread, after the epochs above), "
+        "seconds: the trainer's pack, compare+encode, CRC, base update; one engine's apply, CRC")
+    say(f"{'changed':>9} {'pack':>6} {'encode':>7} {'crc':>6} {'base':>6} {'apply':>6} "
+        f"{'e. crc':>7} {'total':>6}")
+    for f, t in breakdown.items():
+        say(f"{f:>9.4%} " + " ".join(f"{v:{w}.3f}" for v, w in zip(t.values(), (6, 7, 6, 6, 6, 7)))
+            + f" {sum(t.values()):6.3f}")
     say(f"extra memory: the trainer keeps {base_mb:.1f} MB (one copy of the last version sent); "
         "each engine its committed copy, the staged copy it already keeps "
         f"({plan.total_bytes / 1e6:.1f} MB)")
     return medians
+
+
+def _netns_shims(stack: ExitStack, workers: int, link_gbit: float, buffer_size_bytes: int):
+    """Both fleets' shims, each in a namespace of its own behind a `link_gbit` link (torn down by
+    `stack`): (the trainer's master address, the fleets' security, the shims: full's, then
+    delta's). The shims take a fresh bearer token (they listen off loopback)."""
+    from refit_grpc.driver import ChannelSecurity
+    from refit_grpc.testing.netns import Hosts
+
+    # Gloo advertises the address this host routes to the master from, not a fixed interface.
+    ifname = os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    if ifname is not None:
+        stack.callback(os.environ.__setitem__, "GLOO_SOCKET_IFNAME", ifname)
+    logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="refit-bench-delta-")))
+    hosts = stack.enter_context(Hosts(2 * workers, rate_gbit=link_gbit))
+    token = secrets.token_hex(16)
+    netns = hosts.start_shims(
+        [("--model", "none", "--instance-id", f"{arm}-{i}", "--buffer-size-bytes",
+          str(buffer_size_bytes), "--num-buffers", "2")
+         for arm in ("full", "delta") for i in range(workers)], logs, token=token,
+        log_level="WARNING")
+    return hosts.master, ChannelSecurity(token=token), [s.shim for s in netns]
 
 
 __all__ = ["run_bench_delta", "sgd_step_fraction"]
