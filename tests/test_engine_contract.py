@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from refit_grpc.canary import FP32_TOLERANCE, teacher_forced_logprobs
-from refit_grpc.collective import Group, Sender
+from refit_grpc.collective import Group, Sender, bind_master_store
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import EpochAbortedError, RefitError, RefitTimeoutError
 from refit_grpc.plan import Bucket, Packing, RefitPlan, weights_digest
@@ -374,6 +374,73 @@ def test_a_staged_epoch_serves_the_old_weights_until_the_flip(subject):
         subject.holds(plan, new, new_version)
     finally:
         joined.trainer.close()
+
+
+def committed_peer(plan: RefitPlan, weights: dict[str, torch.Tensor]) -> ReferenceEngine:
+    """A reference engine (store mode) whose committed copy holds `weights`: staged from a
+    trainer and flipped, as a fleet member after a staged epoch."""
+    peer = ReferenceEngine(model=None)
+    joined = form_group(peer, plan)
+    box: dict = {}
+    try:
+        thread = threading.Thread(target=lambda: box.setdefault(
+            "digest", peer.stage(plan, Deadline(EPOCH_S), lambda b: None)), daemon=True)
+        thread.start()
+        Sender(joined.trainer, plan).send(weights, Deadline(EPOCH_S))
+        thread.join(EPOCH_S)
+    finally:
+        joined.trainer.close()
+    peer.abort_transfer()
+    peer.pause(PauseMode.KEEP, Deadline(STEP_S))
+    peer.flip(1, Deadline(STEP_S))
+    peer.resume(Deadline(STEP_S))
+    assert peer.committed_copy == (1, box["digest"])
+    return peer
+
+
+def test_a_catch_up_lands_a_peers_committed_copy_and_the_flip_loads_it(subject):
+    """Catch-up from a peer (docs/protocol.md): the engine joins a group whose rank 0 is a peer
+    serving its committed copy (`serve_copy`, on the peer's own rendezvous store), stages it
+    (the staged digest is the peer copy's), and `flip` loads exactly those weights. The trainer
+    is in none of it. An engine that cannot stage cannot catch up either."""
+    engine, plan = subject.engine, subject.plan()
+    if not engine.supports_staging:
+        pytest.skip(f"the {engine.kind} engine cannot stage (STAGING_UNSUPPORTED, checked above)")
+    weights = perturbed(subject.base, seed=8)
+    peer = committed_peer(plan, weights)
+    try:
+        _, copy_digest = peer.committed_copy
+        world = 1 + engine.world_size
+        group_id = f"catch-up-{uuid.uuid4().hex[:8]}"
+        store = bind_master_store("127.0.0.1", 0, world, STEP_S)
+        box: dict = {}
+
+        def serve() -> None:
+            try:
+                peer.serve_copy(GroupSpec("127.0.0.1", store.port, world, 0, "gloo", group_id),
+                                store, Deadline(EPOCH_S))
+            except BaseException as e:  # noqa: BLE001  (asserted below)
+                box["error"] = e
+
+        server = threading.Thread(target=serve, daemon=True, name="contract-peer")
+        server.start()
+        engine.init_transfer(GroupSpec("127.0.0.1", store.port, world, 1, "gloo", group_id),
+                             plan, Deadline(STEP_S))
+        landed: list[Bucket] = []
+        assert engine.stage(plan, Deadline(EPOCH_S), landed.append) == copy_digest
+        server.join(EPOCH_S)
+        assert not server.is_alive() and "error" not in box, box.get("error")
+        assert sorted(b.index for b in landed) == [b.index for b in plan.buckets]
+        assert not engine.status().paused
+        engine.abort_transfer()
+        engine.pause(PauseMode.KEEP, Deadline(STEP_S))
+        version = next(_versions)
+        engine.flip(version, Deadline(EPOCH_S))
+        assert engine.reset_cache(Deadline(STEP_S))
+        subject.holds(plan, weights, version)
+        assert peer.committed_copy == (1, copy_digest)  # serving only read it
+    finally:
+        peer.close()
 
 
 def test_the_canary_is_computed_with_the_new_weights_before_the_engine_serves(subject):
