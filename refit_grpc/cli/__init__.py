@@ -1,5 +1,5 @@
-"""`refit-grpc shim | call | health | fleet | demo | bench | bench-stall | bench-delta`: the
-command-line entry points.
+"""`refit-grpc shim | call | health | fleet | demo | bench | bench-stall | bench-delta |
+bench-catch-up`: the command-line entry points.
 
 The parser and `main` live here; each command's body in its own module: `shim` (serve one
 engine), `call` (`call` and `health`), `fleet` (`fleet status | flush | abort`), and `security`
@@ -79,6 +79,14 @@ def _bench_delta(args: argparse.Namespace) -> int:
                     fractions=[float(f) for f in args.fractions.split(",")],
                     buffer_size_bytes=args.buffer_size_bytes, lr=args.lr,
                     link_gbit=args.link_gbit)
+    return 0
+
+
+def _bench_catch_up(args: argparse.Namespace) -> int:
+    from refit_grpc.tools.bench_catch_up import run_bench_catch_up
+
+    run_bench_catch_up(peers=args.peers, total_mb=args.total_mb, reps=args.reps,
+                       buffer_size_bytes=args.buffer_size_bytes)
     return 0
 
 
@@ -204,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="each engine in its own network namespace behind a link limited to "
                             "RATE Gbit/s each way (tc; needs root); default: loopback")
     delta.set_defaults(func=_bench_delta)
+
+    catch_up = sub.add_parser("bench-catch-up", help="an engine joining by catch-up from a peer "
+                                                      "against by the trainer's epoch")
+    catch_up.add_argument("--peers", type=int, default=2, help="members holding the version")
+    catch_up.add_argument("--total-mb", type=float, default=1024, help="the bf16 plan's size")
+    catch_up.add_argument("--reps", type=int, default=3)
+    catch_up.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
+    catch_up.set_defaults(func=_bench_catch_up)
 
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is _bench and not args.world:

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -34,10 +34,10 @@ import torch
 from torch.distributed import TCPStore
 
 from refit_grpc.canary import Canary
-from refit_grpc.collective import Group, bind_master_store, pack_into
+from refit_grpc.collective import Group, bind_master_store
 from refit_grpc.common import EpochMode, GroupSpec, PauseMode
-from refit_grpc.delta import flat_copy, send_delta
-from refit_grpc.driver.catch_up import CatchUpError, CatchUpReport, catch_up_from_peers
+from refit_grpc.driver import membership, staged
+from refit_grpc.driver.catch_up import CatchUpReport
 from refit_grpc.driver.config import FleetConfig, FleetState, FleetStateError, refuse_unless
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback, WorkerLink
@@ -46,14 +46,14 @@ from refit_grpc.driver.failures import (
     EpochFailedError,
     FleetError,
     FleetTimeoutError,
-    QuorumError,
     WeightsMismatchError,
     WorkerFailure,
-    explained_by_abort,
     failure_from_rpc,
     odd_digests,
 )
 from refit_grpc.driver.links import GlooLink, TrainerLink
+from refit_grpc.driver.membership import endpoint_of
+from refit_grpc.driver.reports import EpochReport, WorkerReport
 from refit_grpc.errors import InvalidArgumentError, MembershipChangedError, RefitError
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import (
@@ -65,98 +65,9 @@ from refit_grpc.proto import (
     pb_grpc,
 )
 from refit_grpc.reasons import Reason
-from refit_grpc.staging import StagedDigest
 
 log = logging.getLogger(__name__)
 
-# What a member that is gone answers (dead, or too frozen to answer in time): a staged epoch's
-# re-forming goes on without it.
-_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-# A staged epoch forms its group again without the engines that failed at most this often:
-# each round loses at least one engine, and a fault that follows every round is not one engine's.
-_MAX_REFORMS = 3
-
-
-@dataclass(frozen=True)
-class WorkerReport:
-    """One engine's part of an epoch (`EpochReport.workers`).
-
-    Args:
-        instance_id: the engine's shim.
-        seconds: from the engine's ACCEPTED to its COMMITTED.
-        bytes: the bytes it applied.
-        weights_digest: its weights digest at commit ("" unless it knows it or was asked).
-        canary_gap: max |engine - trainer| of the epoch's canary, if any.
-        canary_seconds: how long the engine took to compute the canary, if any.
-        stall_seconds: staged: how long the engine stopped generating (its flip, pause to
-            resume); in place it stops for the whole epoch (`seconds` and the flush).
-        load_seconds: staged: the load of the staged copy, within the stall.
-    """
-
-    instance_id: str
-    seconds: float
-    bytes: int
-    weights_digest: str
-    canary_gap: float | None = None  # max |engine - trainer| of the epoch's canary, if any
-    canary_seconds: float | None = None
-    stall_seconds: float | None = None
-    load_seconds: float | None = None
-
-
-@dataclass(frozen=True)
-class EpochReport:
-    """What `Fleet.refit()` returns.
-
-    Args:
-        version: the epoch's version.
-        bytes: the plan's bytes, sent once to every engine.
-        seconds: from UpdateWeights sent to every COMMITTED.
-        broadcast_seconds: the sender's part (staged: of every round).
-        workers: one report per engine that committed, in fleet order.
-        mode: the epoch's mode.
-        left_behind: staged: the engines it went on without, and why (`Fleet.left_behind`).
-        reforms: staged: how many times the group was formed again without failed engines.
-        delta: staged: whether the buckets went as deltas.
-        wire_bytes: staged: the bytes that crossed, every round.
-    """
-
-    version: int
-    bytes: int
-    seconds: float           # from UpdateWeights sent to every COMMITTED
-    broadcast_seconds: float  # the sender's part
-    workers: tuple[WorkerReport, ...]
-    mode: EpochMode = EpochMode.IN_PLACE
-    left_behind: tuple[WorkerFailure, ...] = ()
-    reforms: int = 0
-    delta: bool = False   # sent as deltas (refit(delta=True) against a matching base)
-    wire_bytes: int = 0   # staged: bytes on the wire over every round (headers included)
-
-    @property
-    def stall_seconds(self) -> float | None:
-        """Staged: the longest flip (pause to resume) of any engine; None in place."""
-        stalls = [w.stall_seconds for w in self.workers if w.stall_seconds is not None]
-        return max(stalls) if stalls else None
-
-    @property
-    def gbps(self) -> float:
-        """Effective GB/s: plan bytes over the whole epoch."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-def _staged_digest_of(plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> str:
-    """The trainer's staged digest, packed apart from any send (a round whose send failed before
-    every bucket went out still needs it to judge what the engines that did finish staged)."""
-    digest = StagedDigest(plan)
-    buf = torch.empty(max(b.nbytes for b in plan.buckets), dtype=torch.uint8)
-    for b in plan.buckets:
-        digest.add(b, pack_into(buf, [tensors[s.name].detach().cpu()
-                                      for s in plan.tensors[b.start:b.stop]]))
-    return digest.hexdigest()
-
-
-def _endpoint(worker: WorkerEndpoint | Mapping[str, Any]) -> WorkerEndpoint:
-    return worker if isinstance(worker, WorkerEndpoint) else WorkerEndpoint.from_metadata(worker)
 
 
 def _unavailable(exc: BaseException) -> bool:
@@ -194,7 +105,7 @@ class Fleet:
                                        reason=Reason.INVALID_ARGUMENT)
         # Every worker the fleet ever had, index-stable (`remove()` marks, never deletes):
         # the group, the epochs and the reports refer to workers by these indexes.
-        self._endpoints = [_endpoint(w) for w in workers]
+        self._endpoints = [endpoint_of(w) for w in workers]
         if len({e.instance_id for e in self._endpoints}) != len(self._endpoints):
             raise InvalidArgumentError("worker instance ids must be unique",
                                        reason=Reason.INVALID_ARGUMENT)
@@ -256,7 +167,7 @@ class Fleet:
     def _current(self) -> list[int]:
         return [i for i in range(len(self._endpoints)) if i not in self._removed]
 
-    # --- membership (docs/protocol.md, "Membership") ------------------------------------------
+    # --- membership (refit_grpc.driver.membership) --------------------------------------------
 
     def add(self, worker: WorkerEndpoint | Mapping[str, Any]) -> None:
         """Add a worker; it joins at the next epoch boundary: the next `refit()` prepares it,
@@ -270,14 +181,7 @@ class Fleet:
             InvalidArgumentError: an instance id the fleet already has.
             FleetStateError: FLEET_CLOSED.
         """
-        refuse_unless(self.state, _OPEN, "add()")
-        endpoint = _endpoint(worker)
-        if any(e.instance_id == endpoint.instance_id for e in self.endpoints):
-            raise InvalidArgumentError(f"worker {endpoint.instance_id!r} is already in the fleet",
-                                       reason=Reason.INVALID_ARGUMENT)
-        self._endpoints.append(endpoint)
-        self._open_link(endpoint)
-        self._members.append(len(self._endpoints) - 1)
+        return membership.add(self, worker)
 
     def remove(self, instance_id: str) -> None:
         """Remove a worker; it leaves at the next epoch boundary (the next `refit()` forms the
@@ -289,13 +193,7 @@ class Fleet:
         Raises:
             InvalidArgumentError: no such worker, or it is the last one.
         """
-        index = self._index_of(instance_id)
-        if len(self._current()) == 1:
-            raise InvalidArgumentError("a fleet needs at least one worker",
-                                       reason=Reason.INVALID_ARGUMENT)
-        self._removed.add(index)
-        self._members = [i for i in self._members if i != index]
-        self._left_behind.pop(instance_id, None)
+        return membership.remove(self, instance_id)
 
     def sync(self, workers: Sequence[WorkerEndpoint | Mapping[str, Any]]
              ) -> tuple[list[str], list[str]]:
@@ -310,28 +208,7 @@ class Fleet:
         Returns:
             (instance ids added, instance ids removed).
         """
-        wanted = {e.instance_id: e for e in map(_endpoint, workers)}
-        if not wanted:
-            raise InvalidArgumentError("a fleet needs at least one worker: an empty discovery "
-                                       "is not followed", reason=Reason.INVALID_ARGUMENT)
-        have = {e.instance_id: e for e in self.endpoints}
-        removed = [i for i, e in have.items() if wanted.get(i) != e]
-        added = [i for i, e in wanted.items() if have.get(i) != e]
-        for instance_id in removed:
-            index = self._index_of(instance_id)
-            self._removed.add(index)
-            self._members = [i for i in self._members if i != index]
-            self._left_behind.pop(instance_id, None)
-        for instance_id in added:
-            self.add(wanted[instance_id])
-        return added, removed
-
-    def _index_of(self, instance_id: str) -> int:
-        for i in self._current():
-            if self._endpoints[i].instance_id == instance_id:
-                return i
-        raise InvalidArgumentError(f"no worker {instance_id!r} in the fleet",
-                                   reason=Reason.INVALID_ARGUMENT)
+        return membership.sync(self, workers)
 
     def client_copy(self) -> Fleet:
         """A copy to ship to rollout actors: endpoints and configuration only.
@@ -376,14 +253,14 @@ class Fleet:
     @property
     def members(self) -> tuple[WorkerEndpoint, ...]:
         """The workers the data group is formed of: every worker but those `left_behind`."""
-        return tuple(self._endpoints[i] for i in self._members)
+        return membership.members(self)
 
     @property
     def left_behind(self) -> dict[str, WorkerFailure]:
         """Workers a staged epoch went on without (`refit(mode="staged", min_engines=...)`),
         with why; they serve the version they had and are left out of every later group until
         `readmit()`."""
-        return dict(self._left_behind)
+        return membership.left_behind(self)
 
     def readmit(self, instance_id: str) -> None:
         """Bring a worker left behind back into the fleet: the next `refit()` prepares it and
@@ -396,14 +273,9 @@ class Fleet:
         Raises:
             InvalidArgumentError: the worker is not left behind.
         """
-        if instance_id not in self._left_behind:
-            raise InvalidArgumentError(f"{instance_id!r} is not left behind",
-                                       reason=Reason.INVALID_ARGUMENT)
-        del self._left_behind[instance_id]
-        self._members = [i for i in self._current()
-                         if self._endpoints[i].instance_id not in self._left_behind]
+        return membership.readmit(self, instance_id)
 
-    # --- catch-up from a peer (refit_grpc.driver.catch_up) -------------------------------------
+    # --- catch-up from a peer (refit_grpc.driver.membership, .catch_up) -------------------------
 
     def catch_up(self, instance_id: str, *, timeout_s: float | None = None,
                  pause_mode: PauseMode = PauseMode.KEEP) -> CatchUpReport:
@@ -428,10 +300,8 @@ class Fleet:
                 CATCH_UP_FAILED (every peer tried failed, each named).
             FleetStateError: no plan, or the fleet is closed.
         """
-        report = self.catch_up_async(instance_id, timeout_s=timeout_s,
-                                     pause_mode=pause_mode).result()
-        self._settle_catch_ups()
-        return report
+        return membership.catch_up(self, instance_id, timeout_s=timeout_s,
+                                   pause_mode=pause_mode)
 
     def catch_up_async(self, instance_id: str, *, timeout_s: float | None = None,
                        pause_mode: PauseMode = PauseMode.KEEP) -> Future[CatchUpReport]:
@@ -446,60 +316,8 @@ class Fleet:
         Raises:
             CatchUpError: NO_CATCH_UP_PEER, at once.
         """
-        plan = self._plan_for("catch_up()", (FleetState.PREPARED, FleetState.CONNECTED))
-        index = self._index_of(instance_id)
-        if self._committed is None:
-            raise CatchUpError(f"no member holds the fleet's version {self._version} in a "
-                               "committed copy (the last epoch was in place, or none flipped "
-                               "yet); the next epoch brings the worker to it", [],
-                               reason=Reason.NO_CATCH_UP_PEER)
-        version, digest = self._committed
-        target = self._workers[index]
-        self._prepare_on(plan, [target])
-        (about,) = self._unary_all("Describe", lambda w: pb.DescribeRequest(
-            skip_weights_digest=True), "Describe of the worker catching up failed", [target])
-        candidates = [i for i in self._members if i != index]
-        answers = self._unary_each("Describe", lambda w: pb.DescribeRequest(
-            skip_weights_digest=True), self._member_links(candidates))
-        peers = [self._workers[i] for i, a in zip(candidates, answers)
-                 if isinstance(a, pb.DescribeResponse)
-                 and (a.committed_copy_version, a.committed_copy_digest) == (version, digest)
-                 and a.state in (pb.SHIM_STATE_READY, pb.SHIM_STATE_PREPARED)
-                 and not a.serving_catch_up_to]
-        if not peers:
-            raise CatchUpError(f"no member holds version {version} ({digest[:16]}) in its "
-                               "committed copy, or every one that does is busy; the next epoch "
-                               "brings the worker to it", [],
-                               reason=Reason.NO_CATCH_UP_PEER)
-        future = self._catch_up_pool.submit(
-            catch_up_from_peers, target, peers, version=version, staged_digest=digest,
-            plan=plan, target_world_size=max(about.engine_world_size, 1),
-            target_instance=about.instance_id,
-            timeout_s=timeout_s or self.config.epoch_timeout_s, pause_mode=pause_mode)
-        self._catch_ups.append(future)
-        return future
-
-    def _settle_catch_ups(self) -> None:
-        """Wait for the catch-ups under way; each that succeeded changes the membership: its
-        worker left its data group (the next epoch forms the group with it) and, if it was
-        left behind, is readmitted. A failed one is the caller's news (its future's error)."""
-        pending, self._catch_ups = self._catch_ups, []
-        for future in pending:
-            try:
-                report = future.result()
-            except CatchUpError as e:
-                log.warning("a catch-up failed, the next epoch brings its worker up: %s", e)
-                continue
-            index = self._index_of(report.instance_id)
-            self._left_behind.pop(report.instance_id, None)
-            if index not in self._members:
-                self._members = [i for i in self._current()
-                                 if self._endpoints[i].instance_id not in self._left_behind]
-            if self._group_members is not None and index in self._group_members:
-                keep = [k for k, i in enumerate(self._group_members) if i != index]
-                self._group_members = tuple(self._group_members[k] for k in keep)
-                if self._joined_instances is not None:
-                    self._joined_instances = tuple(self._joined_instances[k] for k in keep)
+        return membership.catch_up_async(self, instance_id, timeout_s=timeout_s,
+                                         pause_mode=pause_mode)
 
     def _member_links(self, indexes: Sequence[int] | None = None) -> list[WorkerLink]:
         return [self._workers[i] for i in (self._members if indexes is None else indexes)]
@@ -791,7 +609,7 @@ class Fleet:
                     canary: Canary | None, mode: EpochMode,
                     delta_base: tuple[int, str] | None = None) -> EpochHandle:
         plan = self._plan_for("update_weights()", (FleetState.CONNECTED,))
-        self._settle_catch_ups()
+        membership.settle_catch_ups(self)
         self._check_membership()
         self._committed = None  # the epoch overwrites (staged) or ends (in place) the copies
         version = self._version + 1 if version is None else version
@@ -898,16 +716,16 @@ class Fleet:
         if delta and mode is not EpochMode.STAGED:
             raise InvalidArgumentError("delta=True is for staged epochs (mode=\"staged\")",
                                        reason=Reason.INVALID_DELTA)
-        self._settle_catch_ups()
+        membership.settle_catch_ups(self)
         gone: dict[int, WorkerFailure] = {}
         if self.state is FleetState.CONNECTED and self._group_members != tuple(self._members):
             # Members changed (added, removed, left behind, caught up): the group is formed
             # again of the members (the trainer calls nothing else; only the gloo link can). A
             # staged epoch leaves behind the members that cannot take part any more.
-            gone = self._reform(link, self._members, leave_behind=mode is EpochMode.STAGED)
+            gone = staged.reform(self, link, self._members, leave_behind=mode is EpochMode.STAGED)
         if mode is EpochMode.STAGED:
-            return self._refit_staged(link, tensors, version, pause_mode, on_progress,
-                                      verify_weights, canary, min_engines, delta, gone)
+            return staged.refit_staged(self, link, tensors, version, pause_mode, on_progress,
+                                       verify_weights, canary, min_engines, delta, gone)
         if min_engines is not None:
             raise InvalidArgumentError("min_engines is for staged epochs: an in-place epoch "
                                        "cannot leave an engine behind unharmed",
@@ -957,122 +775,11 @@ class Fleet:
                                        m.canary.seconds if canary else None)
                           for w, m in zip(links, committed)))
 
-    def _refit_staged(self, link: TrainerLink, tensors: Mapping[str, torch.Tensor],
-                      version: int | None, pause_mode: PauseMode,
-                      on_progress: ProgressCallback | None, verify_weights: bool,
-                      canary: Canary | None, min_engines: int | None,
-                      delta: bool = False,
-                      gone: Mapping[int, WorkerFailure] | None = None) -> EpochReport:
-        """`refit(mode=STAGED)`: stage on every member, re-forming the group without the
-        engines that failed until enough staged, then flip them (docs/protocol.md, "Staged
-        epochs")."""
-        refuse_unless(self.state, (FleetState.CONNECTED,), "refit()")
-        required = len(self._members) if min_engines is None else min_engines
-        if not 1 <= required <= len(self._members):
-            raise InvalidArgumentError(f"min_engines must be in [1, {len(self._members)}] (the "
-                                       f"fleet's members), got {min_engines}",
-                                       reason=Reason.INVALID_MIN_ENGINES)
-        plan = self._plan_for("refit()", (FleetState.CONNECTED,))
-        version = self._version + 1 if version is None else version
-        t0 = time.monotonic()
-        staged: dict[int, pb.UpdateWeightsResponse] = {}  # worker index -> its STAGED
-        staged_as: dict[int, str] = {}  # worker index -> the instance id it staged as
-        behind: dict[int, WorkerFailure] = dict(gone or {})  # left behind at the re-forming
-        trainer_digest: str | None = None
-        broadcast_s, reforms = 0.0, 0
-        pending = list(self._members)
-        base = self._delta_base_for(link, plan) if delta else None
-        self._delta_base = None  # whatever happens below, the old base is spent
-        wire_bytes, sent_delta = 0, base is not None
-        while True:
-            joined = dict(zip(self._group_members or (), self._joined_instances or ()))
-            handle = self._open_epoch(version, pause_mode, on_progress, verify_weights, canary,
-                                      EpochMode.STAGED, base[:2] if base else None)
-            checksums = StagedDigest(plan)
-            try:
-                handle.wait_accepted()
-                if base is not None:
-                    assert isinstance(link, GlooLink)  # _delta_base_for checked it
-                    sent = send_delta(link.group, plan, tensors, base[2], handle.send_deadline(),
-                                      checksums.add)
-                    broadcast_s += sent.seconds
-                    wire_bytes += sent.wire_bytes
-                else:
-                    stats = link.sender.send(tensors, handle.send_deadline(),
-                                             checksums=checksums)
-                    broadcast_s += stats.seconds
-                    wire_bytes += stats.bytes
-            except FleetError:
-                pass  # wait_accepted aborted the epoch; settle() names who refused
-            except RefitError as e:
-                handle.abort(f"epoch {version}: broadcast failed ({e})")
-            finals, failures = handle.settle()
-            if trainer_digest is None:
-                trainer_digest = checksums.hexdigest() if checksums.complete else \
-                    _staged_digest_of(plan, tensors)
-            for i, msg in zip(pending, finals):
-                if msg is None:
-                    continue
-                if msg.staged_digest == trainer_digest:
-                    staged[i], staged_as[i] = msg, joined.get(i, "")
-                else:
-                    ep = self._endpoints[i]
-                    behind[i] = WorkerFailure(
-                        ep.instance_id, ep.address, grpc.StatusCode.DATA_LOSS,
-                        Reason.STAGED_DIGEST_MISMATCH, f"staged {msg.staged_digest[:16]}, the "
-                        f"trainer sent {trainer_digest[:16]}")
-            retry = self._after_staging_failures(pending, failures, behind)
-            if not failures or not retry or len(staged) + len(retry) < required:
-                break  # staged, or too few left to matter (they are not to blame: not behind)
-            if reforms >= _MAX_REFORMS:
-                for i in retry:  # failed round after round: no more rounds for them
-                    behind.setdefault(i, next(f for f in failures
-                                              if f.instance_id == self._endpoints[i].instance_id))
-                break
-            # Re-form the group among the engines that still need the bytes; those STAGED keep
-            # their copies and wait for the flip.
-            reforms += 1
-            log.warning("epoch %d: %d staged, %d left behind (%s); re-forming the group for %d",
-                        version, len(staged), len(behind),
-                        ", ".join(self._endpoints[i].instance_id for i in behind), len(retry))
-            lost = self._reform(link, retry, leave_behind=True)
-            behind.update(lost)
-            retry = [i for i in retry if i not in lost]
-            pending = retry
-            base = None  # a failed round spent the base (engines' and the trainer's): full
-        report = self._finish_staged(version, plan, staged, staged_as, behind, trainer_digest,
-                                     required, pause_mode, verify_weights, canary,
-                                     started=t0, broadcast_s=broadcast_s, reforms=reforms)
-        if delta:
-            # The next delta's base: what every engine that flipped now holds.
-            flat = base[2] if base is not None else flat_copy(plan, tensors)
-            self._delta_base = (version, trainer_digest, flat)
-        return replace(report, delta=sent_delta, wire_bytes=wire_bytes)
-
-    def _delta_base_for(self, link: TrainerLink, plan: RefitPlan
-                        ) -> tuple[int, str, torch.Tensor] | None:
-        """The last staged epoch's (version, staged digest, bytes) when a delta against it can
-        go: the gloo link, and every member's committed copy is that version with that digest
-        (one Describe round); None: a full epoch."""
-        if self._delta_base is None or not isinstance(link, GlooLink):
-            return None
-        version, digest, _ = self._delta_base
-        answers = self._unary_each("Describe", lambda w: pb.DescribeRequest(
-            skip_weights_digest=True), self._member_links())
-        odd = [w.endpoint.instance_id for w, a in zip(self._member_links(), answers)
-               if not isinstance(a, pb.DescribeResponse)
-               or (a.committed_copy_version, a.committed_copy_digest) != (version, digest)]
-        if odd:
-            log.info("delta epoch after version %d: full instead, %s hold another copy",
-                     version, ", ".join(odd))
-            return None
-        return self._delta_base
-
     @property
     def delta_base_bytes(self) -> int:
         """Host memory the fleet keeps for delta epochs: one copy of the last version sent
         (`refit(delta=True)`); 0 when none."""
-        return 0 if self._delta_base is None else self._delta_base[2].numel()
+        return staged.delta_base_bytes(self)
 
     def flip(self, handle: EpochHandle, staged_digest: str | None = None, *,
              min_engines: int | None = None, pause_mode: PauseMode = PauseMode.KEEP,
@@ -1101,210 +808,9 @@ class Fleet:
             QuorumError: fewer than `min_engines` staged it (nothing flipped) or flipped.
             WeightsMismatchError, CanaryMismatchError: as `refit()`.
         """
-        if not handle.staged:
-            raise InvalidArgumentError("flip() ends a staged epoch; this one is in place",
-                                       reason=Reason.INVALID_EPOCH_MODE)
-        indexes = list(self._group_members or ())
-        required = len(indexes) if min_engines is None else min_engines
-        if not 1 <= required <= len(indexes):
-            raise InvalidArgumentError(f"min_engines must be in [1, {len(indexes)}], got "
-                                       f"{min_engines}", reason=Reason.INVALID_MIN_ENGINES)
-        plan = self._plan_for("flip()", (FleetState.CONNECTED, FleetState.PREPARED))
-        joined = dict(zip(indexes, self._joined_instances or ()))
-        finals, failures = handle.settle()
-        if staged_digest is None:
-            staged_digest, _ = odd_digests([m.staged_digest if m else "" for m in finals])
-            staged_digest = staged_digest or ""
-        by_id = {f.instance_id: f for f in failures}
-        staged: dict[int, pb.UpdateWeightsResponse] = {}
-        behind: dict[int, WorkerFailure] = {}
-        for i, msg in zip(indexes, finals):
-            ep = self._endpoints[i]
-            if msg is not None and msg.staged_digest == staged_digest:
-                staged[i] = msg
-            elif msg is not None:
-                behind[i] = WorkerFailure(ep.instance_id, ep.address, grpc.StatusCode.DATA_LOSS,
-                                          Reason.STAGED_DIGEST_MISMATCH,
-                                          f"staged {msg.staged_digest[:16]}, expected "
-                                          f"{staged_digest[:16]}")
-            elif ep.instance_id in by_id:
-                behind[i] = by_id[ep.instance_id]
-        return self._finish_staged(handle.version, plan, staged,
-                                   {i: joined.get(i, "") for i in staged}, behind, staged_digest,
-                                   required, pause_mode, verify_weights, canary,
-                                   started=handle.started_at, broadcast_s=0.0, reforms=0)
-
-    def _finish_staged(self, version: int, plan: RefitPlan,
-                       staged: Mapping[int, pb.UpdateWeightsResponse],
-                       staged_as: Mapping[int, str], behind: dict[int, WorkerFailure],
-                       digest: str, required: int, pause_mode: PauseMode,
-                       verify_weights: bool, canary: Canary | None, *, started: float,
-                       broadcast_s: float, reforms: int) -> EpochReport:
-        """The decision and the flip of a staged epoch: quorum or nothing, each engine flipped
-        once, checked, and (when held paused for the checks) resumed together."""
-        self._version = max(self._version, version)
-        mismatched = [i for i, f in behind.items() if f.reason == Reason.STAGED_DIGEST_MISMATCH]
-        if mismatched:  # their copies are not what was sent: dropped now, not at the timeout
-            self._abort_links(f"epoch {version}: staged other bytes than the trainer sent",
-                              self._member_links(mismatched))
-        if len(staged) < required:
-            self._drop_staged(version, staged)
-            self._leave_behind(behind)
-            raise QuorumError(f"epoch {version}: {len(staged)} of {len(self._members)} engines "
-                              f"staged it, {required} required; nothing flipped, every engine "
-                              "serves the previous version",
-                              list(behind.values()), staged=[self._endpoints[i].instance_id
-                                                             for i in staged])
-        flipped, flip_failures = self._flip(version, digest, staged_as, pause_mode,
-                                            stay_paused=verify_weights or canary is not None)
-        for i, f in flip_failures.items():
-            behind[i] = f
-        self._leave_behind(behind)
-        if len(flipped) < required:
-            raise QuorumError(f"epoch {version}: {len(flipped)} engines flipped to it, "
-                              f"{required} required", list(behind.values()),
-                              staged=[self._endpoints[i].instance_id for i in flipped])
-        self._committed = (version, digest)
-        links = self._member_links(list(flipped))
-        answers = list(flipped.values())
-        as_committed = [pb.UpdateWeightsResponse(weights_digest=a.weights_digest,
-                                                 canary=a.canary) for a in answers]
-        if verify_weights:
-            self._check_same_weights(version, as_committed, links)
-        if canary is not None:
-            self.check_canary(version, canary, as_committed, links)
-        if verify_weights or canary is not None:
-            # Held paused by the flip until every engine was checked: now all serve at once.
-            self._unary_all("Flush", lambda w: pb.FlushRequest(
-                mode=PAUSE_MODE_TO_PROTO[pause_mode]), "resume after the flip failed", links)
-        return EpochReport(
-            version=version, bytes=plan.total_bytes, seconds=time.monotonic() - started,
-            broadcast_seconds=broadcast_s,
-            workers=tuple(WorkerReport(
-                self._endpoints[i].instance_id, staged[i].seconds, staged[i].bytes_received,
-                a.weights_digest, canary.gap(a.canary) if canary else None,
-                a.canary.seconds if canary else None, stall_seconds=a.stall_seconds,
-                load_seconds=a.load_seconds) for i, a in flipped.items()),
-            mode=EpochMode.STAGED, left_behind=tuple(behind.values()), reforms=reforms)
-
-    def _after_staging_failures(self, pending: Sequence[int], failures: Sequence[WorkerFailure],
-                                behind: dict[int, WorkerFailure]) -> list[int]:
-        """Sort the engines of a staging round that did not stage: left behind (`behind`), or
-        worth another round (returned). Another round is for an engine that is alive, the same
-        instance, not BROKEN, and whose failure the round's abort or a dead peer explains; the
-        rest caused the failure or refused on their own."""
-        by_id = {f.instance_id: f for f in failures}
-        failed = [i for i in pending if self._endpoints[i].instance_id in by_id
-                  and i not in behind]
-        if not failed:
-            return []
-        # One try each, as bounded as Abort: a dead shim refuses at once, a frozen one is as
-        # good as dead for this epoch.
-        request = pb.DescribeRequest(skip_weights_digest=True)
-        links = self._member_links(failed)
-        calls = [self._pool.submit(w.stub.Describe, request, timeout=self.config.abort_timeout_s,
-                                   metadata=w.metadata) for w in links]
-        answers: list[pb.DescribeResponse | WorkerFailure] = []
-        for w, call in zip(links, calls):
-            try:
-                answers.append(call.result())
-            except grpc.RpcError as e:
-                answers.append(failure_from_rpc(w.endpoint, e))
-        retry = []
-        joined = dict(zip(self._group_members or (), self._joined_instances or ()))
-        for i, answer in zip(failed, answers):
-            f = by_id[self._endpoints[i].instance_id]
-            alive = isinstance(answer, pb.DescribeResponse) \
-                and answer.instance_id == joined.get(i, answer.instance_id) \
-                and answer.state != pb.SHIM_STATE_BROKEN
-            if alive and explained_by_abort(f):
-                retry.append(i)
-            else:
-                behind[i] = f if alive or not isinstance(answer, WorkerFailure) else answer
-        return retry
-
-    def _reform(self, link: TrainerLink, members: Sequence[int], *,
-                leave_behind: bool = False) -> dict[int, WorkerFailure]:
-        """Form a new group of `members` only, the trainer's end replacing `link`'s (gloo).
-        With `leave_behind`, members that do not answer Prepare (dead, frozen) are left behind
-        instead of failing it all (returned, by worker index); a refusal still raises."""
-        if not isinstance(link, GlooLink):
-            raise FleetStateError("a staged epoch re-forms its group without the engines that "
-                                  "failed, which only the gloo link can do; connect() again",
-                                  reason=Reason.FLEET_NOT_CONNECTED)
-        ip = link.group.spec.master_address
-        link.close()
-        self._drop_group()
-        # A worker added (or restarted and readmitted) since has no plan; for the others
-        # Prepare of the plan they hold is a no-op.
-        assert self._plan is not None  # a fleet with a group has a plan
-        failed: dict[int, WorkerFailure] = {}
-        if leave_behind:
-            # A staged epoch goes on without the members that cannot even take the plan (dead
-            # since the last epoch): they are left behind, named in its report.
-            answers = dict(zip(members, self._unary_each(
-                "Prepare", lambda w: self._prepare_request(), self._member_links(members))))
-            failed = {i: a for i, a in answers.items() if isinstance(a, WorkerFailure)}
-            refusals = [f for f in failed.values() if f.code not in _GONE]
-            if refusals:  # alive and saying no (BUSY, ...): the trainer's to decide, not ours
-                raise FleetError("Prepare: prepare failed", refusals, reason=refusals[0].reason)
-            if failed:
-                log.warning("re-forming without %s: %s", ", ".join(
-                    f.instance_id for f in failed.values()), "; ".join(map(str, failed.values())))
-                self._leave_behind(failed)
-                members = [i for i in members if i not in failed]
-                if not members:
-                    raise FleetError("no member can take the plan", list(failed.values()))
-            self._check_prepared(self._member_links(members), [answers[i] for i in members])
-        else:
-            self._prepare_on(self._plan, self._member_links(members))
-        everyone = self._members
-        self._members = list(members)
-        try:
-            fresh = self.connect(ip)
-        finally:
-            self._members = everyone
-        assert isinstance(fresh, GlooLink)
-        link.adopt(fresh)
-        return failed
-
-    def _flip(self, version: int, digest: str, staged_as: Mapping[int, str],
-              pause_mode: PauseMode, stay_paused: bool
-              ) -> tuple[dict[int, pb.FlipResponse], dict[int, WorkerFailure]]:
-        """Flip every engine that staged, in parallel, each once (a Flip that reached its
-        shim is not repeated): each answer, or why it did not flip. Each Flip names the
-        instance that staged, so a shim restarted since cannot flip what it lost."""
-        indexes = list(staged_as)
-        links = self._member_links(indexes)
-        futures = [self._pool.submit(w.stub.Flip, pb.FlipRequest(
-            version=version, staged_digest=digest, pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
-            stay_paused=stay_paused, instance_id=staged_as[i]),
-            timeout=self.config.epoch_timeout_s, metadata=w.metadata)
-            for i, w in zip(indexes, links)]
-        flipped: dict[int, pb.FlipResponse] = {}
-        failed: dict[int, WorkerFailure] = {}
-        for i, w, f in zip(indexes, links, futures):
-            try:
-                flipped[i] = f.result()
-            except grpc.RpcError as e:
-                failed[i] = failure_from_rpc(w.endpoint, e)
-        return flipped, failed
-
-    def _drop_staged(self, version: int, staged: Mapping[int, object]) -> None:
-        """Nothing flips: the engines that staged drop their copies now (rather than at their
-        flip timeout). Abort does it; it also drops their group, which this epoch already
-        ended for the others."""
-        if staged:
-            self._abort_links(f"epoch {version}: quorum not met",
-                              self._member_links(list(staged)))
-        self._drop_group()
-
-    def _leave_behind(self, behind: Mapping[int, WorkerFailure]) -> None:
-        """Engines a staged epoch went on without leave the fleet's groups until `readmit()`;
-        the next `refit()` forms the group again without them."""
-        for i, f in behind.items():
-            self._left_behind[self._endpoints[i].instance_id] = f
-        self._members = [i for i in self._members if i not in behind]
+        return staged.flip_epoch(self, handle, staged_digest, min_engines=min_engines,
+                                 pause_mode=pause_mode, verify_weights=verify_weights,
+                                 canary=canary)
 
     def flush_cache(self, mode: PauseMode = PauseMode.WAIT) -> bool:
         """Drain, clear the KV/prefix cache and resume, on every shim in parallel.
