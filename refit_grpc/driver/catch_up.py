@@ -60,7 +60,8 @@ class CatchUpReport:
         version: the version it serves now.
         bytes: bytes received.
         seconds: the whole catch-up as the driver saw it (peers that failed first included).
-        transfer_seconds: the serving peer's transfer (rendezvous to the last bucket checked).
+        transfer_seconds: the transfer as the engine catching up saw it (its request to every
+            bucket staged and the digest checked: the rendezvous included, the load not).
         stall_seconds: how long the engine stopped generating for the load.
         failed_peers: peers tried before, each with why it could not serve.
     """
@@ -115,10 +116,10 @@ def catch_up_from_peers(target: WorkerLink, peers: Sequence[WorkerLink], *, vers
     failed: list[WorkerFailure] = []
     for peer in peers:
         try:
-            answer, served = _attempt(target, peer, version=version, staged_digest=staged_digest,
-                                      plan=plan, world_size=1 + target_world_size,
-                                      target_instance=target_instance, timeout_s=timeout_s,
-                                      pause_mode=pause_mode)
+            answer = _attempt(target, peer, version=version, staged_digest=staged_digest,
+                              plan=plan, world_size=1 + target_world_size,
+                              target_instance=target_instance, timeout_s=timeout_s,
+                              pause_mode=pause_mode)
         except _AttemptFailed as e:
             failed.extend(e.failures)
             if not e.peer_to_blame:
@@ -132,8 +133,7 @@ def catch_up_from_peers(target: WorkerLink, peers: Sequence[WorkerLink], *, vers
                  answer.bytes_received, answer.transfer_seconds, answer.stall_seconds)
         return CatchUpReport(target.endpoint.instance_id, peer.endpoint.instance_id, version,
                              answer.bytes_received, time.monotonic() - t0,
-                             served.seconds if served else answer.transfer_seconds,
-                             answer.stall_seconds, tuple(failed))
+                             answer.transfer_seconds, answer.stall_seconds, tuple(failed))
     raise CatchUpError(f"{target.endpoint.instance_id} could not catch up to version {version} "
                        f"from {len(peers)} peer(s); it stays as it was, the next epoch brings it "
                        "to the fleet's version", failed)
@@ -147,7 +147,7 @@ class _AttemptFailed(Exception):
 
 def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_digest: str,
              plan: RefitPlan, world_size: int, target_instance: str, timeout_s: float,
-             pause_mode: PauseMode) -> tuple[pb.CatchUpResponse, pb.ServeCatchUpResponse | None]:
+             pause_mode: PauseMode) -> pb.CatchUpResponse:
     """One catch-up from one peer: its LISTENING, the target's CatchUp, the peer's SENT."""
     group_id = f"catchup-{uuid.uuid4().hex[:12]}"
     address = listen_address(peer.endpoint.address)
@@ -170,7 +170,6 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
         instance_id=target_instance, peer_instance_id=peer.endpoint.instance_id,
         pause_mode=PAUSE_MODE_TO_PROTO[pause_mode]), timeout=timeout_s,
         metadata=target.metadata)
-    served: pb.ServeCatchUpResponse | None = None
     peer_failure: WorkerFailure | None = None
     target_failed = threading.Event()
 
@@ -182,8 +181,8 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
 
     call.add_done_callback(on_target_done)
     try:
-        for msg in serve:
-            served = msg
+        for _ in serve:  # to SENT
+            pass
     except grpc.RpcError as e:
         if not target_failed.is_set():
             # The target notices on its own, at once (its receive or rendezvous fails on the
@@ -205,7 +204,7 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
     if peer_failure is not None:
         # The target has it all and checked the digest; the peer's stream failed afterwards.
         log.warning("catch-up done, but the peer's stream ended with %s", peer_failure)
-    return answer, served
+    return answer
 
 
 def _await_serve_end(peer: WorkerLink, timeout_s: float) -> None:
