@@ -192,21 +192,46 @@ def receive_delta(group, plan: RefitPlan, deadline: Deadline,
                   target: Callable[[Bucket], torch.Tensor],
                   on_bucket: Callable[[Bucket], None]) -> None:
     """Engine rank: every bucket's header and payload, applied onto `target(bucket)` (the
-    bucket's bytes in the committed copy); a raw payload lands there directly. The next
-    bucket's header is posted before this one's payload is applied."""
-    headers = [torch.empty(HEADER_WORDS, dtype=torch.int64) for _ in range(2)]
-    scratch = torch.empty(max(b.nbytes for b in plan.buckets), dtype=torch.uint8)
+    bucket's bytes in the committed copy); a raw payload lands there directly.
+
+    Pipelined so the wire never waits for this rank's work: bucket i+1's payload receive (and
+    bucket i+2's header's) is posted before bucket i is applied and checked (`on_bucket`, a
+    CRC), which a gloo sender would otherwise wait out once per bucket (measured: the 100%
+    changed fallback ran 1.06x a full epoch on a 1 Gbit/s link, the extra about the engine's
+    CRCs). The collectives are posted in the sender's order: header, payload, header, ...
+    Encoded payloads alternate between two scratch buffers, sized to what they carry."""
     buckets = plan.buckets
-    pending = group.broadcast_async(headers[0], deadline)
-    for b in buckets:
-        pending.wait(deadline, f"header of bucket {b.index}")
+    headers = [torch.empty(HEADER_WORDS, dtype=torch.int64) for _ in range(2)]
+    scratch: list[torch.Tensor | None] = [None, None]
+
+    def post_payload(b: Bucket):
         encoding, nbytes = read_header(headers[b.index % 2], b)
         place = target(b)
-        payload = place if encoding is Encoding.RAW else scratch[:nbytes]
-        data = group.broadcast_async(payload, deadline)
-        if b.index + 1 < len(buckets):
-            pending = group.broadcast_async(headers[(b.index + 1) % 2], deadline)
+        if encoding is Encoding.RAW:
+            payload = place
+        else:
+            k = b.index % 2
+            buf = scratch[k]
+            if buf is None or buf.numel() < nbytes:
+                buf = scratch[k] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            payload = buf[:nbytes]
+        return encoding, place, payload, group.broadcast_async(payload, deadline)
+
+    def post_header(index: int):
+        if index >= len(buckets):
+            return None
+        return group.broadcast_async(headers[index % 2], deadline)
+
+    group.broadcast_async(headers[0], deadline).wait(deadline, "header of bucket 0")
+    current = post_payload(buckets[0])
+    header = post_header(1)
+    for b in buckets:
+        encoding, place, payload, data = current
         data.wait(deadline, f"delta of bucket {b.index}")
+        if header is not None:
+            header.wait(deadline, f"header of bucket {b.index + 1}")
+            current = post_payload(buckets[b.index + 1])
+            header = post_header(b.index + 2)
         apply(encoding, payload, place)
         on_bucket(b)
 
