@@ -8,6 +8,7 @@ import signal
 import pytest
 
 from refit_grpc.shim.engines.base import Engine
+from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.process import ShimProcess, spawn_shim
 from refit_grpc.shim.service import ShimConfig
 
@@ -26,6 +27,13 @@ def shim():
     yield make
     for s in made:
         s.close()
+
+
+@pytest.fixture
+def store_shims(shim):
+    """In-process shims of the reference engine in store mode (any layout a plan gives), with a
+    20 s epoch cap, made on demand: `store_shims()`."""
+    return lambda: shim(ReferenceEngine(model=None), ShimConfig(max_epoch_s=20))
 
 
 @pytest.fixture

@@ -19,8 +19,6 @@ from refit_grpc.driver.failures import WorkerFailure, failure_from_rpc
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
-from refit_grpc.shim.engines.reference import ReferenceEngine
-from refit_grpc.shim.service import ShimConfig
 
 from support import InProcessShim, describe_or_none, info
 
@@ -34,26 +32,12 @@ def digest_of(tensors) -> str:
     return weights_digest(tensors.items())
 
 
-@pytest.fixture
-def shims():
-    made: list[InProcessShim] = []
-
-    def make() -> InProcessShim:
-        s = InProcessShim(ReferenceEngine(model=None), ShimConfig(max_epoch_s=20))
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
-
-
 def endpoint(name: str, shim) -> WorkerEndpoint:
     return WorkerEndpoint(name, shim.address)
 
 
-def test_a_new_worker_catches_up_from_a_peer_and_joins_the_next_epoch(shims):
-    a, b, c = shims(), shims(), shims()
+def test_a_new_worker_catches_up_from_a_peer_and_joins_the_next_epoch(store_shims):
+    a, b, c = store_shims(), store_shims(), store_shims()
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 18, 2),
                epoch_timeout_s=20) as fleet:
         fleet.prepare(info(weights(1)))
@@ -87,11 +71,11 @@ def test_a_new_worker_catches_up_from_a_peer_and_joins_the_next_epoch(shims):
               f"stall {report.stall_seconds * 1e3:.1f} ms); next epoch a delta over all three")
 
 
-def test_no_peer_after_an_in_place_epoch_and_a_target_refusing_is_not_retried(shims):
+def test_no_peer_after_an_in_place_epoch_and_a_target_refusing_is_not_retried(store_shims):
     """NO_CATCH_UP_PEER where no member keeps a committed copy; a target that refuses on its
     own (it already holds the version) fails the catch-up at once, no other peer tried, and
     stays left behind."""
-    a, b = shims(), shims()
+    a, b = store_shims(), store_shims()
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 18, 2),
                epoch_timeout_s=20) as fleet:
         fleet.prepare(info(weights(1)))
@@ -130,8 +114,8 @@ def refused(call, request) -> tuple[grpc.StatusCode, str]:
     return e.value.code(), failure_from_rpc(WorkerEndpoint("t", "t"), e.value).reason
 
 
-def test_every_bad_catch_up_request_is_refused_with_its_reason_and_changes_nothing(shims):
-    peer, newcomer = shims(), shims()
+def test_every_bad_catch_up_request_is_refused_with_its_reason_and_changes_nothing(store_shims):
+    peer, newcomer = store_shims(), store_shims()
     with Fleet([endpoint("p", peer)], packing=Packing(1 << 18, 2), epoch_timeout_s=20) as fleet:
         fleet.prepare(info(weights(1)))
         link = fleet.connect("127.0.0.1")

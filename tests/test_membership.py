@@ -11,8 +11,6 @@ from refit_grpc import Fleet, Packing, WorkerEndpoint
 from refit_grpc.errors import InvalidArgumentError
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
-from refit_grpc.shim.engines.reference import ReferenceEngine
-from refit_grpc.shim.service import ShimConfig
 
 from support import InProcessShim, info
 
@@ -20,20 +18,6 @@ from support import InProcessShim, info
 def weights(version: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(version)
     return {f"layer.{i}": torch.randn(64 * 1024, generator=g) for i in range(4)}
-
-
-@pytest.fixture
-def shims():
-    made: list[InProcessShim] = []
-
-    def make() -> InProcessShim:
-        s = InProcessShim(ReferenceEngine(model=None), ShimConfig(max_epoch_s=20))
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def endpoint(name: str, shim: InProcessShim) -> WorkerEndpoint:
@@ -45,8 +29,8 @@ def versions(*shims: InProcessShim) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["in_place", "staged"])
-def test_added_and_removed_workers_take_effect_at_the_next_epoch(shims, mode):
-    a, b, c = shims(), shims(), shims()
+def test_added_and_removed_workers_take_effect_at_the_next_epoch(store_shims, mode):
+    a, b, c = store_shims(), store_shims(), store_shims()
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 16, 2),
                epoch_timeout_s=20) as fleet:
         fleet.prepare(info(weights(1)))
@@ -70,8 +54,8 @@ def test_added_and_removed_workers_take_effect_at_the_next_epoch(shims, mode):
         assert fleet.inference_world_size == 2
 
 
-def test_a_discovered_membership_is_followed(shims):
-    a, b, c = shims(), shims(), shims()
+def test_a_discovered_membership_is_followed(store_shims):
+    a, b, c = store_shims(), store_shims(), store_shims()
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 16, 2),
                epoch_timeout_s=20) as fleet:
         fleet.prepare(info(weights(1)))
@@ -89,8 +73,8 @@ def test_a_discovered_membership_is_followed(shims):
         assert (d.state, d.weight_version) == (pb.SHIM_STATE_READY, 2)
 
 
-def test_membership_misuse_is_refused_typed(shims):
-    a = shims()
+def test_membership_misuse_is_refused_typed(store_shims):
+    a = store_shims()
     with Fleet([endpoint("a", a)]) as fleet:
         with pytest.raises(InvalidArgumentError, match="already in the fleet"):
             fleet.add(endpoint("a", a))

@@ -365,10 +365,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 if self._group is None:
                     raise FailedPreconditionError("no data group: call InitCollective first",
                                                   reason=Reason.NO_GROUP)
-                if request.version <= self._version:
-                    raise FailedPreconditionError(
-                        f"version {request.version} is not newer than applied {self._version}",
-                        reason=Reason.STALE_VERSION)
+                self._check_newer(request.version)
                 plan = self._check_digest(request.plan_digest)
                 if request.group_id != self._group.group_id:
                     raise FailedPreconditionError(
@@ -727,10 +724,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 if self._busy:
                     raise FailedPreconditionError(f"CatchUp refused while {self._busy.value} runs",
                                                   reason=Reason.BUSY)
-                if request.version <= self._version:
-                    raise FailedPreconditionError(
-                        f"version {request.version} is not newer than applied {self._version}",
-                        reason=Reason.STALE_VERSION)
+                self._check_newer(request.version)
                 plan = self._check_digest(request.plan_digest)
                 broken = not self._weights_intact
                 # The fleet forms its group again with this engine once it caught up.
@@ -946,6 +940,13 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         remaining = context.time_remaining()
         seconds = cap_s if remaining is None else min(remaining, cap_s)
         return Deadline(seconds)
+
+    def _check_newer(self, version: int) -> None:
+        """Versions only move forward (invariant 4); under the lock."""
+        if version <= self._version:
+            raise FailedPreconditionError(
+                f"version {version} is not newer than applied {self._version}",
+                reason=Reason.STALE_VERSION)
 
     def _check_digest(self, digest: str) -> RefitPlan:
         """The prepared plan, if `digest` names it."""
