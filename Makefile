@@ -89,30 +89,40 @@ demo-vllm: proto vllm
 demo-dynamo: proto vllm dynamo
 	$(PY) -m refit_grpc.tools.demo_dynamo
 
+# The benches. Each checks the memory it will need against MemAvailable before it starts (a default
+# plan too large for the host is halved until it fits, and says so). BENCH_FLAGS goes on every
+# bench command line: BENCH_FLAGS=--quick runs each on a small plan with one rep, in seconds
+# (tests/test_bench_runs.py does, so a bench that cannot finish fails CI).
+BENCH_FLAGS ?=
+# The worlds (trainer + receivers) `bench` and bench-stall's reference part run at.
+BENCH_WORLDS ?= 2 5
+BENCH_WORLD_FLAGS = $(foreach w,$(BENCH_WORLDS),--world $(w))
+
 # Every arm (the floor as one broadcast and in buckets, per-tensor, raw, refit_grpc in place and
 # staged, HTTP-JSON) side by side on the realistic 1 GiB decoder mix, for a trainer and 1
-# receiver, then 4 (docs/bench.md). About 6 minutes.
+# receiver, then 4 (docs/bench.md). One set of receivers alive at a time, restarted every rep.
+# Its wall time: docs/bench.md.
 bench: proto
-	$(VENV)/bin/refit-grpc bench --world 2 --world 5 --reps 7
+	$(VENV)/bin/refit-grpc bench $(BENCH_WORLD_FLAGS) --reps 7 $(BENCH_FLAGS)
 
 # The stall users of a real vLLM engine feel, in-place against staged epochs interleaved, under
 # streamed generation (figure in build/bench-stall.png), then the reference engine's stall at 1 GiB
 # (in place: the epoch; staged: the flip) beside the floor (docs/bench.md). About 6 minutes.
 bench-stall: proto vllm
-	$(VENV)/bin/refit-grpc bench-stall
-	$(VENV)/bin/refit-grpc bench --world 2 --world 5 --reps 5 --arms floor,floor-buckets,refit_grpc,staged
+	$(VENV)/bin/refit-grpc bench-stall $(BENCH_FLAGS)
+	$(VENV)/bin/refit-grpc bench $(BENCH_WORLD_FLAGS) --reps 5 --arms floor,floor-buckets,refit_grpc,staged $(BENCH_FLAGS)
 
 # Delta epochs against full ones, staged, on the reference engine: a 1 GiB bf16 decoder mix whose
 # versions change 0.1%, 1%, 10%, 100% of the elements and what one real SGD step changes; bytes
 # on the wire, epoch time, trainer CPU (docs/bench.md). About 5 minutes. LINK_GBIT=1: every engine
 # in its own network namespace behind a link of that many Gbit/s each way (tc; root; ~6 minutes).
 bench-delta: proto
-	$(VENV)/bin/refit-grpc bench-delta $(if $(LINK_GBIT),--link-gbit $(LINK_GBIT))
+	$(VENV)/bin/refit-grpc bench-delta $(if $(LINK_GBIT),--link-gbit $(LINK_GBIT)) $(BENCH_FLAGS)
 
 # An engine joining by catch-up from a peer's committed copy against joining by the trainer's
 # epoch (the same bytes), reference engines, a 1 GiB bf16 plan (docs/bench.md). About 2 minutes.
 bench-catch-up: proto
-	$(VENV)/bin/refit-grpc bench-catch-up
+	$(VENV)/bin/refit-grpc bench-catch-up $(BENCH_FLAGS)
 
 # The API reference (pdoc, pinned in the dev extra) of the public modules, into build/docs/.
 # Google-style docstrings (Args/Returns/Raises). Only modules that import without vLLM or Dynamo

@@ -51,31 +51,59 @@ def _fleet(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from refit_grpc.tools.bench import ARMS, run_bench
+    from refit_grpc.tools.bench import ARMS, run_bench, workload_need
 
-    workload = ({"kind": "equal", "total_mb": args.total_mb, "tensors": args.tensors}
-                if args.equal else {"kind": "realistic", "total_mb": args.total_mb})
     arms = [a for a in ARMS if a in args.arms.split(",")] if args.arms else list(ARMS)
+    if args.quick:  # a small plan and one rep: that the bench runs, in seconds (CI)
+        args.total_mb = args.total_mb or 16
+        args.tensors, args.buffer_size_bytes, args.reps = min(args.tensors, 64), 1 << 20, 1
     for world in args.world:
-        run_bench(workers=world - 1, workload=workload, buffer_size_bytes=args.buffer_size_bytes,
-                  num_buffers=args.num_buffers, reps=args.reps, arms=arms,
-                  flat_trainer=args.flat_trainer)
+        workload = ({"kind": "equal", "total_mb": 0.0, "tensors": args.tensors}
+                    if args.equal else {"kind": "realistic", "total_mb": 0.0})
+        need = workload_need(workload, world - 1, args.buffer_size_bytes, args.num_buffers, arms)
+        total_mb = _fit(need, args.total_mb, f"bench, world {world}")
+        if total_mb is None:
+            return 2
+        run_bench(workers=world - 1, workload={**workload, "total_mb": total_mb},
+                  buffer_size_bytes=args.buffer_size_bytes, num_buffers=args.num_buffers,
+                  reps=args.reps, arms=arms, flat_trainer=args.flat_trainer)
     return 0
 
 
 def _bench_stall(args: argparse.Namespace) -> int:
     from refit_grpc.tools.bench_stall import run_stall_bench
 
+    if args.quick:  # a 2-layer Llama of width 128, one epoch of each mode counted, no figure
+        args.pairs, args.streams, args.max_tokens, args.hidden, args.layers = 1, 2, 48, 128, 2
+        args.buffer_size_bytes, args.steady_s, args.png = 1 << 20, 1.0, ""
     return run_stall_bench(pairs=args.pairs, streams=args.streams, max_tokens=args.max_tokens,
                            hidden=args.hidden, layers=args.layers,
                            buffer_size_bytes=args.buffer_size_bytes, steady_s=args.steady_s,
                            scale=args.scale, png=args.png or None)
 
 
-def _bench_delta(args: argparse.Namespace) -> int:
-    from refit_grpc.tools.bench_delta import run_bench_delta
+def _fit(need, total_mb: float | None, what: str) -> float | None:
+    """`fit_total_mb` with a 1024 MB default; None (said on stderr) where nothing fits."""
+    from refit_grpc.tools.bench_memory import DoesNotFit, fit_total_mb
 
-    run_bench_delta(workers=args.world - 1, total_mb=args.total_mb, reps=args.reps,
+    try:
+        return fit_total_mb(need, total_mb, 1024, what)
+    except DoesNotFit as e:
+        print(f"refit-grpc {what.split(',')[0]}: {e}", file=sys.stderr)
+        return None
+
+
+def _bench_delta(args: argparse.Namespace) -> int:
+    from refit_grpc.tools.bench_delta import delta_need, run_bench_delta
+
+    if args.quick:
+        args.total_mb, args.reps, args.fractions = args.total_mb or 8, 1, "0.01"
+        args.buffer_size_bytes = 1 << 20
+    total_mb = _fit(lambda mb: delta_need(mb, args.world - 1, args.buffer_size_bytes),
+                    args.total_mb, f"bench-delta, world {args.world}")
+    if total_mb is None:
+        return 2
+    run_bench_delta(workers=args.world - 1, total_mb=total_mb, reps=args.reps,
                     fractions=[float(f) for f in args.fractions.split(",")],
                     buffer_size_bytes=args.buffer_size_bytes, lr=args.lr,
                     link_gbit=args.link_gbit)
@@ -83,9 +111,15 @@ def _bench_delta(args: argparse.Namespace) -> int:
 
 
 def _bench_catch_up(args: argparse.Namespace) -> int:
-    from refit_grpc.tools.bench_catch_up import run_bench_catch_up
+    from refit_grpc.tools.bench_catch_up import catch_up_need, run_bench_catch_up
 
-    run_bench_catch_up(peers=args.peers, total_mb=args.total_mb, reps=args.reps,
+    if args.quick:
+        args.total_mb, args.reps, args.buffer_size_bytes = args.total_mb or 8, 1, 1 << 20
+    total_mb = _fit(lambda mb: catch_up_need(mb, args.peers, args.buffer_size_bytes),
+                    args.total_mb, f"bench-catch-up, {args.peers} peers")
+    if total_mb is None:
+        return 2
+    run_bench_catch_up(peers=args.peers, total_mb=total_mb, reps=args.reps,
                        buffer_size_bytes=args.buffer_size_bytes)
     return 0
 
@@ -165,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "refit and the HTTP-JSON way, side by side")
     bench.add_argument("--world", type=int, action="append",
                        help="trainer + receivers (repeatable; default 2)")
-    bench.add_argument("--total-mb", type=float, default=1024)
+    bench.add_argument("--total-mb", type=float, default=None,
+                       help="the plan's size (default 1024, halved until it fits in memory)")
     bench.add_argument("--equal", action="store_true",
                        help="equal-size tensors (--tensors of them) instead of the realistic "
                             "decoder layer mix")
@@ -179,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--arms", default="", help="comma-separated subset of floor,"
                                                   "floor-buckets,per-tensor,raw,refit_grpc,"
                                                   "staged,http")
+    bench.add_argument("--quick", action="store_true",
+                       help="a 16 MB plan (unless --total-mb), 1 MiB buckets, one rep: that it "
+                            "runs, in seconds; its times mean nothing")
     bench.set_defaults(func=_bench)
 
     stall = sub.add_parser("bench-stall", help="the stall streamed generation on a real vLLM "
@@ -196,12 +234,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="standard deviation of each version's noise on the checkpoint")
     stall.add_argument("--png", default="build/bench-stall.png",
                        help="the figure of tokens over time (empty: none; needs matplotlib)")
+    stall.add_argument("--quick", action="store_true",
+                       help="a 2-layer Llama of width 128, 2 streams, one epoch of each mode "
+                            "counted, no figure: that it runs (vLLM's start is most of it)")
     stall.set_defaults(func=_bench_stall)
 
     delta = sub.add_parser("bench-delta", help="delta epochs against full ones (staged, the "
                                                "reference engine), side by side")
     delta.add_argument("--world", type=int, default=2, help="trainer + receivers, per fleet")
-    delta.add_argument("--total-mb", type=float, default=1024, help="the bf16 plan's size")
+    delta.add_argument("--total-mb", type=float, default=None,
+                       help="the bf16 plan's size (default 1024, halved until it fits)")
     delta.add_argument("--reps", type=int, default=3, help="epochs per fraction and mode")
     delta.add_argument("--fractions", default="0.001,0.01,0.1,1",
                        help="fractions of the elements each version changes")
@@ -211,14 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     delta.add_argument("--link-gbit", type=link_gbit, default=None, metavar="RATE",
                        help="each engine in its own network namespace behind a link limited to "
                             "RATE Gbit/s each way (tc; needs root); default: loopback")
+    delta.add_argument("--quick", action="store_true",
+                       help="an 8 MB plan (unless --total-mb), 1 MiB buckets, one rep of 1%% "
+                            "changed: that it runs, in seconds")
     delta.set_defaults(func=_bench_delta)
 
     catch_up = sub.add_parser("bench-catch-up", help="an engine joining by catch-up from a peer "
                                                       "against by the trainer's epoch")
     catch_up.add_argument("--peers", type=int, default=2, help="members holding the version")
-    catch_up.add_argument("--total-mb", type=float, default=1024, help="the bf16 plan's size")
+    catch_up.add_argument("--total-mb", type=float, default=None,
+                          help="the bf16 plan's size (default 1024, halved until it fits)")
     catch_up.add_argument("--reps", type=int, default=3)
     catch_up.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
+    catch_up.add_argument("--quick", action="store_true",
+                          help="an 8 MB plan (unless --total-mb), 1 MiB buckets, one rep: that "
+                               "it runs, in seconds")
     catch_up.set_defaults(func=_bench_catch_up)
 
     args = parser.parse_args(argv)

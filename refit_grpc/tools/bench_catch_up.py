@@ -25,6 +25,17 @@ from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.testing.harness import Run
 from refit_grpc.tools.bench import materialize
 from refit_grpc.tools.bench_delta import bf16_specs, perturbed
+from refit_grpc.tools.bench_memory import PROCESS_BASE_BYTES, Need
+
+
+def catch_up_need(total_mb: float, peers: int, buffer_size_bytes: int) -> Need:
+    """The run's resident memory, from its plan: `peers` + 2 shims, each with its live weights,
+    its committed copy and a few buckets; the trainer two versions and two fleets' buffers."""
+    plan = RefitPlan(tuple(bf16_specs(int(total_mb * (1 << 20)))), Packing(buffer_size_bytes, 2))
+    total, bucket = plan.total_bytes, max(b.nbytes for b in plan.buckets)
+    shim = 2 * total + 2 * bucket + PROCESS_BASE_BYTES
+    trainer = 2 * total + 4 * bucket + PROCESS_BASE_BYTES
+    return Need({f"{peers} peers and 2 newcomers": trainer + (peers + 2) * shim})
 
 
 def run_bench_catch_up(peers: int = 2, total_mb: float = 1024, reps: int = 3,
@@ -113,4 +124,4 @@ def run_bench_catch_up(peers: int = 2, total_mb: float = 1024, reps: int = 3,
     return m
 
 
-__all__ = ["run_bench_catch_up"]
+__all__ = ["catch_up_need", "run_bench_catch_up"]

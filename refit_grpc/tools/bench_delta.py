@@ -33,6 +33,7 @@ import torch
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
 from refit_grpc.testing.harness import Run
 from refit_grpc.tools.bench import materialize, realistic_specs
+from refit_grpc.tools.bench_memory import PROCESS_BASE_BYTES, Need
 
 FRACTIONS = (0.001, 0.01, 0.1, 1.0)
 
@@ -41,6 +42,18 @@ def bf16_specs(total_bytes: int) -> list[TensorSpec]:
     """The bench's realistic decoder mix, in bf16, of about `total_bytes`."""
     return [TensorSpec(s.name, s.shape, torch.bfloat16)
             for s in realistic_specs(2 * total_bytes)]
+
+
+def delta_need(total_mb: float, workers: int, buffer_size_bytes: int) -> Need:
+    """The run's resident memory, from its plan: every shim (two fleets of `workers`) holds its
+    live weights and its staged copy and a few buckets in flight; the trainer the version sent,
+    the next one, the delta fleet's base copy, and while it times the CPU work alone three more
+    copies (a base, an engine's copy, the next version)."""
+    plan = RefitPlan(tuple(bf16_specs(int(total_mb * (1 << 20)))), Packing(buffer_size_bytes, 2))
+    total, bucket = plan.total_bytes, max(b.nbytes for b in plan.buckets)
+    shim = 2 * total + 4 * bucket + PROCESS_BASE_BYTES
+    trainer = 6 * total + 6 * bucket + PROCESS_BASE_BYTES
+    return Need({"two fleets and the CPU breakdown": trainer + 2 * workers * shim})
 
 
 def perturbed(tensors: dict[str, torch.Tensor], fraction: float,
@@ -250,4 +263,4 @@ def _netns_shims(stack: ExitStack, workers: int, link_gbit: float, buffer_size_b
     return hosts.master, ChannelSecurity(token=token), [s.shim for s in netns]
 
 
-__all__ = ["run_bench_delta", "sgd_step_fraction"]
+__all__ = ["delta_need", "run_bench_delta", "sgd_step_fraction"]
