@@ -86,3 +86,58 @@ class GroupSpec:
                                        reason=Reason.INVALID_BACKEND)
         if not self.group_id:
             raise InvalidArgumentError("group_id is empty", reason=Reason.INVALID_GROUP_ID)
+
+
+# --- what a request's fields may hold (docs/protocol.md, "Field limits") ----------------------
+# Every field of every RPC is checked against these before the shim allocates, listens or
+# connects; the shim's checks are in shim/service.py.
+
+# Group ids and instance ids, in UTF-8 bytes. A group id becomes part of TCPStore keys (torch's
+# store server drops a connection whose key is over 8192 bytes) and of log lines; 256 is far
+# more than any id the driver makes (`catchup-` + 12 hex, `refit-` + a digest's prefix).
+MAX_ID_BYTES = 256
+# A tensor name, in UTF-8 bytes (checkpoint names are well under 200).
+MAX_TENSOR_NAME_BYTES = 1024
+# A tensor's dimensions (torch's own limit is 64).
+MAX_TENSOR_DIMS = 64
+# A digest (plan, staged, delta base): a SHA-256 hex digest is 64 characters. Longer strings, or
+# characters outside printable ASCII, equal no digest and are refused as malformed.
+MAX_DIGEST_CHARS = 64
+# Versions: 1 .. 2**53 - 1, so a version is exact wherever it is a float (metrics, JSON).
+MAX_VERSION = (1 << 53) - 1
+# A data group's ranks (trainer + every engine rank); one engine's ranks (a catch-up group is
+# the serving engine's rank 0 plus the newcomer's ranks, so at most 1 + MAX_ENGINE_WORLD_SIZE).
+MAX_WORLD_SIZE = 1 << 16
+MAX_ENGINE_WORLD_SIZE = 256
+# An Abort's reason is kept (last_error, the log) up to this many characters; never refused.
+MAX_REASON_CHARS = 1024
+
+
+def text_problem(value: str, max_bytes: int) -> str | None:
+    """What is wrong with a name or id (`value` non-empty): over `max_bytes` UTF-8 bytes, or a
+    control, format, surrogate, private-use or unassigned character or a line or paragraph
+    separator (anything that could break a log line); None when fine."""
+    import unicodedata
+
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        return f"is {size} bytes, over {max_bytes}"
+    for i, ch in enumerate(value):
+        category = unicodedata.category(ch)
+        if category[0] == "C" or category in ("Zl", "Zp"):
+            return f"has a control or unprintable character (U+{ord(ch):04X}) at {i}"
+    return None
+
+
+def digest_problem(value: str) -> str | None:
+    """What is wrong with a digest field's shape; None when it could be a digest."""
+    if len(value) > MAX_DIGEST_CHARS:
+        return f"is {len(value)} characters, over {MAX_DIGEST_CHARS}"
+    if not all("!" <= ch <= "~" for ch in value):
+        return "has characters outside printable ASCII"
+    return None
+
+
+def clip(value: str, limit: int = 64) -> str:
+    """`value` for a message or a log line: at most `limit` characters, marked when cut."""
+    return value if len(value) <= limit else f"{value[:limit]}...({len(value)} chars)"

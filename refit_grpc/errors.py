@@ -29,6 +29,7 @@ class Code(enum.Enum):
     ABORTED = "ABORTED"
     UNAVAILABLE = "UNAVAILABLE"
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    INTERNAL = "INTERNAL"
 
 
 class RefitError(Exception):
@@ -130,6 +131,14 @@ class EngineUnavailableError(RefitError, ConnectionError):
 
     code = Code.UNAVAILABLE
     default_reason = Reason.ENGINE_UNAVAILABLE
+
+
+class InternalError(RefitError, RuntimeError):
+    """A bug: an exception the shim did not expect (INTERNAL, reason INTERNAL_ERROR). The shim
+    logs its traceback; no request should ever produce one."""
+
+    code = Code.INTERNAL
+    default_reason = Reason.INTERNAL_ERROR
 
 
 class UnauthenticatedError(RefitError, PermissionError):

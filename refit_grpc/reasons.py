@@ -14,6 +14,10 @@ import enum
 class Reason(enum.StrEnum):
     # --- the plan (Prepare, and the sender's check of the tensors it is given) ------------
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    MALFORMED_REQUEST = "MALFORMED_REQUEST"
+    INVALID_NAME = "INVALID_NAME"
+    INVALID_INSTANCE_ID = "INVALID_INSTANCE_ID"
+    INVALID_DIGEST = "INVALID_DIGEST"
     INVALID_PLAN = "INVALID_PLAN"
     EMPTY_PLAN = "EMPTY_PLAN"
     EMPTY_NAME = "EMPTY_NAME"
@@ -56,6 +60,9 @@ class Reason(enum.StrEnum):
     RECEIVE_FAILED = "RECEIVE_FAILED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    TOO_MANY_CALLS = "TOO_MANY_CALLS"
+    MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
+    INTERNAL_ERROR = "INTERNAL_ERROR"
     # --- staged epochs and the flip ---------------------------------------------------------
     INVALID_EPOCH_MODE = "INVALID_EPOCH_MODE"
     INVALID_FLIP_TIMEOUT = "INVALID_FLIP_TIMEOUT"

@@ -8,6 +8,8 @@ import logging
 import signal
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -15,12 +17,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from refit_grpc.common import MAX_MESSAGE_BYTES, Deadline
-from refit_grpc.errors import RefitError
+from refit_grpc.errors import InvalidArgumentError, RefitError, ResourceExhaustedError
 from refit_grpc.proto import pb, pb_grpc, ref_pb, ref_pb_grpc
+from refit_grpc.reasons import Reason
 from refit_grpc.shim import reflection
 from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.service import RefitServicer, ShimConfig
-from refit_grpc.shim.status import status_on_error
+from refit_grpc.shim.status import status_for, status_on_error
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +38,128 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RefitService"].full_name
 class ServerOptions:
     address: str = "127.0.0.1:50051"
     max_workers: int = 32
-    # Beyond this many RPCs in flight, new ones get RESOURCE_EXHAUSTED instead of queueing.
+    # Beyond this many RPCs in flight, new ones get RESOURCE_EXHAUSTED (reason TOO_MANY_CALLS)
+    # instead of queueing; health checks are not counted.
     max_concurrent_rpcs: int = 64
     grace_s: float = 30.0
     health_poll_s: float = 1.0
-    # Larger messages get RESOURCE_EXHAUSTED from gRPC itself, before any handler runs.
+    # Larger requests get RESOURCE_EXHAUSTED (reason MESSAGE_TOO_LARGE) before any handler
+    # runs. gRPC's own transport limit is twice this (at most 2 GiB): above that, gRPC answers
+    # RESOURCE_EXHAUSTED itself, without a reason.
     max_message_bytes: int = MAX_MESSAGE_BYTES
     # HOST:PORT (or a port alone: loopback) of the Prometheus endpoint; None: no metrics.
     metrics_address: str | None = None
+
+
+# Calls the admission bound does not count or refuse: orchestrators' probes.
+UNCOUNTED_PREFIXES = ("/grpc.health.v1.Health/",)
+
+_HANDLER_MAKERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+class _Refused:
+    """What the admission's deserializer hands the handler instead of a request it refuses."""
+
+    def __init__(self, status: grpc.Status):
+        self.status = status
+
+
+class _Ticket:
+    """One admitted call's place; `release` runs once: when the call ends, or, for a call that
+    ended before its handler ever ran, when the last reference to the ticket goes."""
+
+    def __init__(self, release: Callable[[], None]):
+        self.release = weakref.finalize(self, release)
+
+
+class AdmissionInterceptor(grpc.ServerInterceptor):
+    """The shim's own bounds, refused with a reason like every other refusal (gRPC's
+    `maximum_concurrent_rpcs` and message limit answer without ErrorInfo):
+
+    - more than `max_calls` calls in flight (queued or running): RESOURCE_EXHAUSTED,
+      TOO_MANY_CALLS;
+    - a request over `max_message_bytes`: RESOURCE_EXHAUSTED, MESSAGE_TOO_LARGE;
+    - request bytes that are not the method's message: INVALID_ARGUMENT, MALFORMED_REQUEST
+      (gRPC would answer INTERNAL).
+    Costs a lock, a counter and a weakref per call."""
+
+    def __init__(self, max_calls: int, max_message_bytes: int):
+        self._max_calls = max_calls
+        self._max_message_bytes = max_message_bytes
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def intercept_service(self, continuation: Callable, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(UNCOUNTED_PREFIXES):
+            return handler
+        with self._lock:
+            admitted = self._in_flight < self._max_calls
+            if admitted:
+                self._in_flight += 1
+        if not admitted:
+            return _refusing(handler, status_for(ResourceExhaustedError(
+                f"more than {self._max_calls} calls in flight on this shim; retry later",
+                reason=Reason.TOO_MANY_CALLS)))
+        ticket = _Ticket(self._release)
+        inner = handler.unary_unary or handler.unary_stream or handler.stream_unary \
+            or handler.stream_stream
+
+        def behaviour(request, context):
+            release = ticket.release  # the closure holds the ticket until the call is done
+            if not context.add_callback(release):
+                release()  # already over
+            if isinstance(request, _Refused):
+                context.abort_with_status(request.status)
+            return inner(request, context)
+
+        deserializer = handler.request_deserializer
+        if not handler.request_streaming:
+            deserializer = self._checking(deserializer)
+        return _HANDLER_MAKERS[(handler.request_streaming, handler.response_streaming)](
+            behaviour, request_deserializer=deserializer,
+            response_serializer=handler.response_serializer)
+
+    def _checking(self, deserializer: Callable | None) -> Callable:
+        limit = self._max_message_bytes
+
+        def deserialize(raw: bytes):
+            if len(raw) > limit:
+                return _Refused(status_for(ResourceExhaustedError(
+                    f"request of {len(raw)} bytes is over this shim's limit of {limit}",
+                    reason=Reason.MESSAGE_TOO_LARGE)))
+            if deserializer is None:
+                return raw
+            try:
+                return deserializer(raw)
+            except Exception as e:  # noqa: BLE001  (protobuf's DecodeError, bad UTF-8, ...)
+                return _Refused(status_for(InvalidArgumentError(
+                    f"request is not a valid message of this method: {type(e).__name__}",
+                    reason=Reason.MALFORMED_REQUEST)))
+
+        return deserialize
+
+
+def _refusing(handler: grpc.RpcMethodHandler, status: grpc.Status) -> grpc.RpcMethodHandler:
+    def refuse(request_or_iterator, context):
+        context.abort_with_status(status)
+
+    return _HANDLER_MAKERS[(handler.request_streaming, handler.response_streaming)](
+        refuse, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
 class ReferenceEngineServicer(ref_pb_grpc.ReferenceEngineServiceServicer):
@@ -71,18 +188,25 @@ class ShimServer:
         self.health = health.HealthServicer()
         self._stop = threading.Event()
         self.metrics = None
+        self.admission = AdmissionInterceptor(self.options.max_concurrent_rpcs,
+                                              self.options.max_message_bytes)
+        # Before the token check, so its bounds hold for every caller.
+        interceptors = (self.admission, *interceptors)
         if self.options.metrics_address is not None:
             from refit_grpc.shim.metrics import ShimMetrics
 
             self.metrics = ShimMetrics(self.servicer, engine.kind)
-            # First, so it times every call and sees the ones the token check refuses.
+            # First, so it times every call and sees the ones the token check (and the
+            # admission) refuse.
             interceptors = (self.metrics.interceptor, *interceptors)
+        # The transport's own limit sits above the shim's, so a request between the two is
+        # refused by the admission, with its reason.
+        transport_max = min(2 * self.options.max_message_bytes, (1 << 31) - 1)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.options.max_workers,
                                        thread_name_prefix="shim-rpc"),
             interceptors=list(interceptors),
-            maximum_concurrent_rpcs=self.options.max_concurrent_rpcs,
-            options=[("grpc.max_receive_message_length", self.options.max_message_bytes),
+            options=[("grpc.max_receive_message_length", transport_max),
                      ("grpc.max_send_message_length", self.options.max_message_bytes),
                      ("grpc.so_reuseport", 0),
                      # Accept the driver's 1 s keepalive pings (see driver/endpoint.py).
@@ -109,8 +233,10 @@ class ShimServer:
 
     def start(self) -> ShimServer:
         address = self.options.metrics_address
+        own = {self.port}
         if self.metrics is not None and address is not None:  # metrics only with an address
-            self.metrics.serve(address)
+            own.add(int(self.metrics.serve(address).rsplit(":", 1)[1]))
+        self.servicer.own_ports = frozenset(own)
         self._server.start()
         self._set_health(self.engine.status().healthy)
         threading.Thread(target=self._watch_health, daemon=True, name="health").start()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import logging
+import math
 import os
 import queue
 import socket
@@ -34,7 +35,21 @@ from dataclasses import dataclass, field
 
 from refit_grpc.canary import canary_problem
 from refit_grpc.collective import bind_master_store, set_store_key
-from refit_grpc.common import Deadline, GroupSpec, PauseMode
+from refit_grpc.common import (
+    MAX_ENGINE_WORLD_SIZE,
+    MAX_ID_BYTES,
+    MAX_REASON_CHARS,
+    MAX_TENSOR_DIMS,
+    MAX_TENSOR_NAME_BYTES,
+    MAX_VERSION,
+    MAX_WORLD_SIZE,
+    Deadline,
+    GroupSpec,
+    PauseMode,
+    clip,
+    digest_problem,
+    text_problem,
+)
 from refit_grpc.errors import (
     CollectiveError,
     EngineUnavailableError,
@@ -42,6 +57,7 @@ from refit_grpc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     InvalidPlanError,
+    PlanTooLargeError,
     RefitError,
     RefitTimeoutError,
 )
@@ -144,6 +160,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._join_deadline: Deadline | None = None
         self._catch_up: _CatchUp | None = None
         self._shutting_down = False
+        # The shim's own listening ports (gRPC, metrics), never a rendezvous (set by ShimServer).
+        self.own_ports: frozenset[int] = frozenset()
 
     # --- state -----------------------------------------------------------------------------
 
@@ -212,6 +230,10 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     # --- RPCs ------------------------------------------------------------------------------
 
     def Describe(self, request, context):
+        with status_on_error(context):
+            return self._describe(request)
+
+    def _describe(self, request) -> pb.DescribeResponse:
         status = self.engine.status(with_digest=not request.skip_weights_digest)
         copy = self.engine.committed_copy
         with self._lock:
@@ -276,6 +298,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         t0 = time.monotonic()
         with status_on_error(context):
             deadline = self._deadline(context, self.config.max_join_s)
+            _check_digest_shape(request.plan_digest, "plan_digest")
+            _check_group_id(request.group_id)
             backend = BACKEND_NAMES.get(request.backend)
             if backend is None:
                 raise InvalidArgumentError("backend must be GLOO or NCCL", reason=Reason.INVALID_BACKEND)
@@ -283,6 +307,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             spec = GroupSpec(request.master_address, request.master_port, request.world_size,
                              request.rank_offset, backend, request.group_id)
             spec.validate()
+            if request.world_size > MAX_WORLD_SIZE:
+                raise InvalidArgumentError(
+                    f"world_size {request.world_size} is over {MAX_WORLD_SIZE}",
+                    reason=Reason.INVALID_WORLD_SIZE)
+            self._check_not_own_port(request.master_address, request.master_port)
             self.engine.check_backend(backend)
             if request.rank_offset < 1:
                 raise InvalidArgumentError("rank_offset must be >= 1: rank 0 is the trainer",
@@ -328,9 +357,14 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         t0 = time.monotonic()
         with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_epoch_s)
-            if request.version < 1:
-                raise InvalidArgumentError(f"version must be >= 1, got {request.version}",
-                                           reason=Reason.INVALID_VERSION)
+            _check_version(request.version, "version")
+            _check_digest_shape(request.plan_digest, "plan_digest")
+            _check_group_id(request.group_id, required=False)
+            _check_instance_id(request.instance_id, "instance_id")
+            if request.delta_base_version:
+                _check_version(request.delta_base_version, "delta_base_version",
+                               reason=Reason.INVALID_DELTA)
+            _check_digest_shape(request.delta_base_digest, "delta_base_digest")
             mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
             if request.instance_id and request.instance_id != self.config.instance_id:
                 # First: a restarted shim is EMPTY too, and "wrong state" would hide the cause.
@@ -341,6 +375,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             canary = request.canary if request.HasField("canary") else None
             if canary is not None:
                 problem = canary_problem(canary.token_ids, canary.expected_logprobs)
+                if not problem and not all(math.isfinite(x) for x in canary.expected_logprobs):
+                    problem = "expected log-probabilities must be finite"
                 if problem:
                     raise InvalidArgumentError(f"canary: {problem}",
                                                reason=Reason.INVALID_CANARY)
@@ -522,6 +558,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         one drops the copy: those bytes are not what the trainer sent."""
         with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_epoch_s)
+            _check_version(request.version, "version")
+            _check_digest_shape(request.staged_digest, "staged_digest")
+            _check_instance_id(request.instance_id, "instance_id")
             mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
             if request.instance_id and request.instance_id != self.config.instance_id:
                 raise FailedPreconditionError(
@@ -626,20 +665,28 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         t0 = time.monotonic()
         with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_epoch_s)
+            _check_instance_id(request.instance_id, "instance_id")
+            _check_instance_id(request.target_instance_id, "target_instance_id")
+            _check_digest_shape(request.staged_digest, "staged_digest")
+            _check_digest_shape(request.plan_digest, "plan_digest")
             self._check_instance(request.instance_id, "ServeCatchUp")
             if request.version < 1 or not request.staged_digest or not request.group_id:
                 raise InvalidArgumentError("ServeCatchUp needs version >= 1, the committed "
                                            "copy's staged digest and a group id",
                                            reason=Reason.INVALID_CATCH_UP)
+            _check_version(request.version, "version")
+            _check_group_id(request.group_id)
             if not request.listen_address:
                 raise InvalidArgumentError("ServeCatchUp needs the listen_address the newcomer "
                                            "reaches this engine at",
                                            reason=Reason.INVALID_CATCH_UP)
             self._check_master(request.listen_address)
             world = request.world_size or 2
-            if world < 2:
-                raise InvalidArgumentError(f"world_size must be >= 2, got {world}",
-                                           reason=Reason.INVALID_WORLD_SIZE)
+            if not 2 <= world <= 1 + MAX_ENGINE_WORLD_SIZE:
+                raise InvalidArgumentError(
+                    f"world_size must be 1 + the newcomer's engine ranks (2 to "
+                    f"{1 + MAX_ENGINE_WORLD_SIZE}; 0 means 2), got {world}",
+                    reason=Reason.INVALID_WORLD_SIZE)
             if not self.engine.supports_serving_copy:
                 raise FailedPreconditionError(
                     f"the {self.engine.kind} engine cannot serve its committed copy; catch the "
@@ -676,13 +723,13 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 # the other ranks cannot be cancelled, and a newcomer that refused or died must
                 # not hold this engine busy until the deadline.
                 key = _newcomer_key(request.group_id)
-                while not store.check([key]):
+                while not _store_has(store, key):
                     time.sleep(min(0.02, deadline.check("waiting for the newcomer")))
                 self.engine.serve_copy(spec, store, deadline)
                 # Kept open until the newcomer has it all: its watch reads this rendezvous
                 # closing as this engine's death.
                 key = _received_key(request.group_id)
-                while not store.check([key]):
+                while not _store_has(store, key):
                     time.sleep(min(0.02, deadline.check("waiting for the newcomer's receipt")))
                 del store
                 log.info("served version %d to %s: %d bytes, %.3fs", request.version, target,
@@ -703,15 +750,22 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         t0 = time.monotonic()
         with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_epoch_s)
+            _check_instance_id(request.instance_id, "instance_id")
+            _check_instance_id(request.peer_instance_id, "peer_instance_id")
+            _check_digest_shape(request.staged_digest, "staged_digest")
+            _check_digest_shape(request.plan_digest, "plan_digest")
             self._check_instance(request.instance_id, "CatchUp")
             mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
             if request.version < 1 or not request.staged_digest or not request.group_id:
                 raise InvalidArgumentError("CatchUp needs version >= 1, the peer copy's staged "
                                            "digest and a group id", reason=Reason.INVALID_CATCH_UP)
+            _check_version(request.version, "version")
+            _check_group_id(request.group_id)
             self._check_master(request.master_address)
             spec = GroupSpec(request.master_address, request.master_port,
                              1 + self.engine.world_size, 1, "gloo", request.group_id)
             spec.validate()
+            self._check_not_own_port(request.master_address, request.master_port)
             if not self.engine.supports_staging:
                 raise FailedPreconditionError(
                     f"the {self.engine.kind} engine cannot stage, so it cannot catch up from a "
@@ -805,7 +859,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 f"{instance_id!r} (restarted since)", reason=Reason.MEMBERSHIP_CHANGED)
 
     def Flush(self, request, context):
-        with status_on_error(context):
+        with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_control_s)
             mode = _pause_mode(request.mode, PauseMode.WAIT)
             with self._lock:
@@ -829,12 +883,19 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             return pb.FlushResponse(cache_cleared=cleared, resumed=resume, state=self.state())
 
     def Abort(self, request, context):
-        epoch = self._abort(request.reason or "Abort called")
-        # The epoch's own handler finishes the transition; wait briefly so the answer is final.
-        end = time.monotonic() + 5.0
-        while self.state() == pb.SHIM_STATE_RECEIVING and time.monotonic() < end:
-            time.sleep(0.01)
-        return pb.AbortResponse(state=self.state(), epoch_aborted=epoch is not None)
+        """Never refused: any reason is taken, the first MAX_REASON_CHARS characters kept
+        (control characters escaped) for last_error and the log."""
+        with status_on_error(context):
+            reason = _printable(request.reason[:MAX_REASON_CHARS])
+            if len(request.reason) > MAX_REASON_CHARS:
+                reason += f"...({len(request.reason)} chars)"
+            epoch = self._abort(reason or "Abort called")
+            # The epoch's own handler finishes the transition; wait briefly so the answer is
+            # final.
+            end = time.monotonic() + 5.0
+            while self.state() == pb.SHIM_STATE_RECEIVING and time.monotonic() < end:
+                time.sleep(0.01)
+            return pb.AbortResponse(state=self.state(), epoch_aborted=epoch is not None)
 
     def _abort(self, reason: str) -> _Epoch | None:
         with self._lock:
@@ -959,29 +1020,57 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         return self._plan
 
     def _check_master(self, address: str) -> None:
+        """A peer's or a trainer's rendezvous address (or where this shim listens for one): an
+        IP literal (no host name, no zone), unicast, within the allowed networks."""
         try:
+            if "%" in address:
+                raise ValueError("a scoped address")
             ip = ipaddress.ip_address(address)
         except ValueError:
-            raise InvalidArgumentError(f"master_address {address!r} is not an IP address",
+            raise InvalidArgumentError(f"master_address {clip(address)!r} is not an IP address",
                                        reason=Reason.INVALID_MASTER_ADDRESS) from None
+        if ip.is_unspecified or ip.is_multicast or \
+                (isinstance(ip, ipaddress.IPv4Address) and ip == ipaddress.IPv4Address(
+                    "255.255.255.255")):
+            raise InvalidArgumentError(
+                f"master_address {address} is not a unicast address (unspecified, multicast "
+                "or broadcast)", reason=Reason.INVALID_MASTER_ADDRESS)
         if not any(ip in net for net in self._networks):
             raise FailedPreconditionError(
                 f"master_address {address} is outside the allowed networks "
                 f"{[str(n) for n in self._networks]}", reason=Reason.MASTER_NOT_ALLOWED)
+
+    def _check_not_own_port(self, address: str, port: int) -> None:
+        """A rendezvous on this host is never at one of the shim's own ports (gRPC, metrics):
+        the store client would talk to the shim's own server."""
+        if port in self.own_ports and ipaddress.ip_address(address).is_loopback:
+            raise InvalidArgumentError(
+                f"master_port {port} is this shim's own gRPC or metrics port, not a rendezvous",
+                reason=Reason.INVALID_MASTER_PORT)
 
     def _drop_group_locked(self) -> None:
         if self._group is not None:
             self._group = None
             self.engine.abort_transfer()
 
-    @staticmethod
-    def _plan_from_request(request) -> RefitPlan:
+    def _plan_from_request(self, request) -> RefitPlan:
+        if len(request.tensors) > self.config.max_plan_tensors:
+            raise PlanTooLargeError(f"plan has {len(request.tensors)} tensors, limit "
+                                    f"{self.config.max_plan_tensors}")
         specs = []
         for i, t in enumerate(request.tensors):
+            problem = text_problem(t.name, MAX_TENSOR_NAME_BYTES) if t.name else None
+            if problem:
+                raise InvalidPlanError(f"tensor {i}: name {clip(t.name)!r} {problem}",
+                                       reason=Reason.INVALID_NAME)
+            if len(t.shape) > MAX_TENSOR_DIMS:
+                raise InvalidPlanError(f"tensor {i} ({clip(t.name)!r}): {len(t.shape)} "
+                                       f"dimensions, over {MAX_TENSOR_DIMS}",
+                                       reason=Reason.INVALID_SHAPE)
             dtype = DTYPE_FROM_PROTO.get(t.dtype)
             if dtype is None:
                 raise InvalidPlanError(
-                    f"tensor {i} ({t.name!r}): dtype {t.dtype} is not one of "
+                    f"tensor {i} ({clip(t.name)!r}): dtype {t.dtype} is not one of "
                     f"{sorted(DTYPES)}", reason=Reason.UNSUPPORTED_DTYPE)
             specs.append(TensorSpec(t.name, tuple(t.shape), dtype))
         if request.HasField("packing"):
@@ -1001,6 +1090,16 @@ def _received_key(group_id: str) -> str:
     """The key an engine catching up sets once every byte landed: the peer closes its
     rendezvous (and ends ServeCatchUp with SENT) only then."""
     return f"refit_grpc/catch-up/{group_id}/received"
+
+
+def _store_has(store, key: str) -> bool:
+    """Whether the rendezvous store holds `key`; a store that fails (its server dropped the
+    connection) is a failed rendezvous, not an unknown error."""
+    try:
+        return bool(store.check([key]))
+    except Exception as e:  # noqa: BLE001  (torch raises DistNetworkError, RuntimeError, ...)
+        raise CollectiveError(f"the catch-up rendezvous store failed: {type(e).__name__}: "
+                              f"{str(e)[:200]}", reason=Reason.RENDEZVOUS_FAILED) from e
 
 
 class _PeerWatch:
@@ -1037,6 +1136,46 @@ class _PeerWatch:
                 self._deadline.cancel.set()
                 self._close_group()
                 return
+
+
+def _check_version(value: int, field: str, reason: Reason = Reason.INVALID_VERSION) -> None:
+    """A version is 1 .. MAX_VERSION (a 0 that means "none" is the caller's to allow)."""
+    if not 1 <= value <= MAX_VERSION:
+        raise InvalidArgumentError(f"{field} must be 1 to {MAX_VERSION}, got {value}",
+                                   reason=reason)
+
+
+def _check_digest_shape(value: str, field: str) -> None:
+    problem = digest_problem(value)
+    if problem:
+        raise InvalidArgumentError(f"{field} {clip(value, 16)!r} {problem}",
+                                   reason=Reason.INVALID_DIGEST)
+
+
+def _check_group_id(value: str, *, required: bool = True) -> None:
+    """A group id: non-empty (where required), at most MAX_ID_BYTES, printable: it becomes part
+    of the rendezvous store's keys and of log lines."""
+    if not value:
+        if required:
+            raise InvalidArgumentError("group_id is empty", reason=Reason.INVALID_GROUP_ID)
+        return
+    problem = text_problem(value, MAX_ID_BYTES)
+    if problem:
+        raise InvalidArgumentError(f"group_id {clip(value)!r} {problem}",
+                                   reason=Reason.INVALID_GROUP_ID)
+
+
+def _check_instance_id(value: str, field: str) -> None:
+    """An instance id (optional everywhere): at most MAX_ID_BYTES, printable."""
+    problem = text_problem(value, MAX_ID_BYTES) if value else None
+    if problem:
+        raise InvalidArgumentError(f"{field} {clip(value)!r} {problem}",
+                                   reason=Reason.INVALID_INSTANCE_ID)
+
+
+def _printable(text: str) -> str:
+    """`text` with control and other unprintable characters escaped, for logs."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def _pause_mode(value: int, default: PauseMode) -> PauseMode:
