@@ -356,7 +356,7 @@ def _spawn_shims(names: Sequence[str], plan: RefitPlan, timeout_s: float = 120.0
                                "--instance-id", name, "--buffer-size-bytes",
                                str(plan.packing.buffer_size_bytes), "--num-buffers",
                                str(plan.packing.num_buffers), "--address", "127.0.0.1:0"],
-                              stdout=subprocess.PIPE, env=env) for name in names]
+                              stdout=subprocess.PIPE, bufsize=0, env=env) for name in names]
     shims = []
     end = time.monotonic() + timeout_s
     try:
@@ -367,9 +367,11 @@ def _spawn_shims(names: Sequence[str], plan: RefitPlan, timeout_s: float = 120.0
                 ready, _, _ = select.select([p.stdout], [], [], max(end - time.monotonic(), 0))
                 if not ready:
                     raise TimeoutError(f"a bench shim did not serve within {timeout_s:.0f} s")
-                line = p.stdout.readline()
+                line = p.stdout.readline()  # unbuffered: nothing read stays unseen by select
                 if not line:
                     raise RuntimeError(f"a bench shim exited with {p.wait(10)} before serving")
+                if not line.startswith(READY_PREFIX.encode()):
+                    sys.stdout.write(line.decode(errors="replace"))  # passed on
             address, instance_id = line.decode()[len(READY_PREFIX):].split()
             shims.append(ShimProcess(p, address, instance_id))
     except BaseException:
