@@ -43,8 +43,24 @@ from refit_grpc.staging import StagedDigest
 
 log = logging.getLogger(__name__)
 
-# How long a rank's store client may take to connect to a master whose listener it just reached.
+# A rank's store client's first connect attempt to a master whose listener it just reached;
+# each later attempt within the join's deadline gets twice as long (`_connect_store`).
 _STORE_CONNECT_S = 3.0
+# How often rank 0 looks at the arrivals while it waits for every rank (`_await_arrivals`), and
+# how often every other rank looks for rank 0's word (`_arrive_and_await_go`): one store call
+# each; at 1,000 ranks about 10k small requests a second to rank 0's store while it forms.
+_ARRIVAL_POLL_S = 0.02
+_GO_POLL_S = 0.1
+
+class RendezvousTimeoutError(RefitTimeoutError):
+    """A rendezvous that did not complete in time (RENDEZVOUS_TIMEOUT). On rank 0,
+    `missing_ranks` lists the ranks that never reached its store, so a driver can name the
+    workers behind them; empty where this process could not tell."""
+
+    def __init__(self, message: str, *, missing_ranks: Sequence[int] = ()):
+        super().__init__(message, reason=Reason.RENDEZVOUS_TIMEOUT)
+        self.missing_ranks = tuple(missing_ranks)
+
 
 class Group:
     """A joined data group. Only rank 0 ever sends."""
@@ -67,7 +83,15 @@ class Group:
              store: dist.TCPStore | None = None,
              cancel: threading.Event | None = None) -> Group:
         """Rendezvous; blocks until every rank has joined or `timeout_s` passes. `cancel` (an
-        Abort, a caller gone) ends the wait for the master's listener at once.
+        Abort, a caller gone, a peer's join that failed) ends the wait for the master's
+        listener, a store connect and rank 0's wait for the other ranks at once.
+
+        Every rank but 0 connects to rank 0's store (retrying within the deadline: a store
+        client's connect can stall for seconds under load, which is no failure while the
+        deadline lasts) and then says it arrived. Rank 0 waits for every arrival before it
+        builds the backend group, so a rank that never comes is named
+        (`RendezvousTimeoutError.missing_ranks`), and a `cancel` ends rank 0's wait within
+        `_ARRIVAL_POLL_S` (the backend's own rendezvous cannot be interrupted).
 
         Rank 0 may pass the master `store` it already listens with (`bind_master_store`, on
         `spec.master_port`): the port is then bound before any peer is told of it."""
@@ -82,44 +106,25 @@ class Group:
         end = time.monotonic() + max(timeout_s, 0.001)
         try:
             if spec.rank != 0:
-                # torch's TCPStore client tries a timed-out connect once more after a random
-                # delay, so its own timeout stretches to about twice the one given (measured:
-                # 16.9 s for 9 s, 7.3 s for 3 s): wait for the master's listener here, within
-                # the deadline, and give the store and the group only what is left.
-                _wait_for_listener(spec.master_address, spec.master_port, end, timeout_s,
-                                   cancel)
-            timeout = datetime.timedelta(seconds=max(end - time.monotonic(), 0.001))
-            if store is None:
-                # The listener was there a moment ago: connecting takes milliseconds, and a
-                # client that keeps retrying for the whole deadline is waiting for a master
-                # that died meanwhile. Its later waits (the other ranks) get the whole deadline.
-                connect = min(timeout, datetime.timedelta(seconds=_STORE_CONNECT_S)) \
-                    if spec.rank != 0 else timeout
-                store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size,
-                                      is_master=spec.rank == 0, timeout=connect,
-                                      wait_for_workers=False)
-            store.set_timeout(datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
+                store = _connect_store(spec, end, timeout_s, cancel)
+            elif store is None:
+                store = bind_master_store(spec.master_address, spec.master_port,
+                                          spec.world_size, timeout_s)
+            store.set_timeout(_left(end))
             prefixed = dist.PrefixStore(f"refit_grpc/{spec.group_id}", store)
-            timeout = datetime.timedelta(seconds=max(end - time.monotonic(), 0.001))
-            pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
-            if spec.backend == "gloo":
-                # torch's stubs lack _Options (the constructor takes one at runtime).
-                opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-                opts._timeout = timeout
-                opts._devices = [_gloo_device(spec.master_address)]
-                pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, opts)
+            if spec.rank != 0:
+                _arrive_and_await_go(prefixed, spec, end, timeout_s, cancel)
             else:
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                pg = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, opts)
+                _await_arrivals(prefixed, spec, end, timeout_s, cancel)
+            pg = _build_backend(prefixed, spec, _left(end), cancel)
         except RefitError:
             raise  # ours already (a timeout, an abort), with its reason
         except (RuntimeError, dist.DistStoreError) as e:
             text = str(e)
             if "timeout" in text.lower() or "timed out" in text.lower():
-                raise RefitTimeoutError(f"rendezvous at {spec.master_address}:"
-                                        f"{spec.master_port} timed out after {timeout_s:.1f}s: "
-                                        f"{text[:300]}", reason=Reason.RENDEZVOUS_TIMEOUT) from e
+                raise RendezvousTimeoutError(f"rendezvous at {spec.master_address}:"
+                                             f"{spec.master_port} timed out after "
+                                             f"{timeout_s:.1f}s: {text[:300]}") from e
             raise CollectiveError(f"rendezvous at {spec.master_address}:{spec.master_port} "
                                   f"failed: {text[:300]}", reason=Reason.RENDEZVOUS_FAILED) from e
         log.info("joined group %s rank %d/%d (%s)", spec.group_id, spec.rank, spec.world_size,
@@ -207,17 +212,225 @@ def bind_master_store(address: str, port: int, world_size: int,
     kernel picks a free port as the store binds it (`store.port` says which), so no port is
     picked, found free, and taken by another process before the store binds it (EADDRINUSE).
     Pass it to `Group.join(spec, timeout_s, store=store)` with `spec.master_port = store.port`.
-    Peers connect to `address` (the store listens on every interface, as torch's does)."""
+
+    The store listens on `address` only (the one address its peers are told), on a socket of
+    that address's own family, handed to torch. torch's own listener is a dual-stack IPv6
+    socket on every interface: it sees an IPv4 peer as a v4-mapped IPv6 address, and formats
+    each accepted peer with a reverse lookup (getnameinfo) in its one accept loop. No hosts
+    file names v4-mapped addresses, so each connection asks DNS; a resolver that drops one
+    query in ~25 (measured here) stalls every rank still connecting by 5 s, the resolver's
+    timeout: 64 ranks connecting at once took 5-10 s, and a fleet of 40 shims never formed.
+    On a socket of the address's family, loopback and hosts-file peers resolve locally."""
     if not 0 <= port < 65536:
         raise InvalidArgumentError(f"master_port {port} out of range",
                                    reason=Reason.INVALID_MASTER_PORT)
     try:
+        listener = _listen(address, port, world_size)
+    except OSError as e:
+        raise CollectiveError(f"rendezvous store at {address}:{port} could not listen: {e}",
+                              reason=Reason.RENDEZVOUS_FAILED) from e
+    fd = listener.detach()  # torch owns (and closes) it from here
+    try:
         return dist.TCPStore(address, port, world_size, is_master=True,
                              timeout=datetime.timedelta(seconds=max(timeout_s, 0.001)),
-                             wait_for_workers=False)
+                             wait_for_workers=False, master_listen_fd=fd)
     except (RuntimeError, dist.DistStoreError) as e:
+        os.close(fd)
         raise CollectiveError(f"rendezvous store at {address}:{port} could not listen: "
                               f"{str(e)[:300]}", reason=Reason.RENDEZVOUS_FAILED) from e
+
+
+def _listen(address: str, port: int, world_size: int) -> socket.socket:
+    """A listening TCP socket on address:port, of the address's family (the first one it
+    resolves to), with a backlog for every rank connecting at once."""
+    family, kind, proto, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(max(world_size, 128))  # the kernel caps it at somaxconn
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _left(end: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(end - time.monotonic(), 0.001))
+
+
+def _connect_store(spec: GroupSpec, end: float, timeout_s: float,
+                   cancel: threading.Event | None) -> dist.TCPStore:
+    """A store client connected to rank 0's store, or RENDEZVOUS_TIMEOUT at `end`, or
+    EPOCH_ABORTED once `cancel` is set.
+
+    Each attempt first waits for the master's listener, then gives the client a bounded
+    connect: torch's client retries a timed-out connect once more after a random delay, so its
+    own timeout stretches to about twice the one given (measured: 16.9 s for 9 s, 7.3 s for
+    3 s), and a client left to retry for the whole deadline would be waiting for a master that
+    died meanwhile. A connect that stalls (the client's own reverse lookup, a master busy
+    accepting hundreds of ranks) is tried again, each attempt twice as long, until the
+    deadline: a slow join is no failure while the deadline lasts."""
+    host, port = spec.master_address, spec.master_port
+    attempt_s = _STORE_CONNECT_S
+    attempts = 0
+    while True:
+        _wait_for_listener(host, port, end, timeout_s, cancel)
+        attempts += 1
+        connect = min(attempt_s, max(end - time.monotonic(), 0.001))
+        try:
+            return dist.TCPStore(host, port, spec.world_size, is_master=False,
+                                 timeout=datetime.timedelta(seconds=connect),
+                                 wait_for_workers=False)
+        except (RuntimeError, dist.DistError) as e:
+            if cancel is not None and cancel.is_set():
+                raise EpochAbortedError(f"rendezvous at {host}:{port}: aborted",
+                                        reason=Reason.EPOCH_ABORTED) from e
+            if time.monotonic() >= end:
+                raise RendezvousTimeoutError(
+                    f"rendezvous at {host}:{port} timed out after {timeout_s:.1f}s: the "
+                    f"store's listener answered but {attempts} connect(s) did not complete: "
+                    f"{str(e)[:200]}") from e
+            log.info("rank %d: store connect to %s:%d attempt %d failed (%s); retrying",
+                     spec.rank, host, port, attempts, str(e)[:120])
+            attempt_s *= 2
+
+
+# The rendezvous barrier's keys, under the group's prefix: each rank but 0 sets
+# `arrived/<rank>` and adds 1 to `arrivals` once connected to the store; rank 0 then sets `go`
+# to "1" (build the backend group) or to why it gave up. Only then does any rank enter the
+# backend's rendezvous, which nothing can interrupt: a rank that fails or never comes ends
+# everyone's wait at once, instead of each rank waiting out its deadline inside gloo.
+_GO = "go"
+_GO_PROCEED = "1"
+
+
+def _arrive_and_await_go(store: dist.Store, spec: GroupSpec, end: float, timeout_s: float,
+                         cancel: threading.Event | None) -> None:
+    """A rank but 0: say it arrived, then wait for rank 0's word: proceed, or give up
+    (RENDEZVOUS_FAILED naming why), or RENDEZVOUS_TIMEOUT at `end`, or EPOCH_ABORTED once
+    `cancel` is set."""
+    store.set(f"arrived/{spec.rank}", "1")
+    store.add("arrivals", 1)
+    where = f"{spec.master_address}:{spec.master_port}"
+    while not store.check([_GO]):
+        if cancel is not None and cancel.is_set():
+            raise EpochAbortedError(f"rendezvous at {where}: aborted",
+                                    reason=Reason.EPOCH_ABORTED)
+        if time.monotonic() >= end:
+            raise RendezvousTimeoutError(f"rendezvous at {where} timed out after "
+                                         f"{timeout_s:.1f}s: rank 0 never said every rank "
+                                         "had arrived")
+        time.sleep(_GO_POLL_S)
+    word = store.get(_GO).decode(errors="replace")
+    if word != _GO_PROCEED:
+        raise CollectiveError(f"rendezvous at {where}: rank 0 gave it up: {word}",
+                              reason=Reason.RENDEZVOUS_FAILED)
+
+
+def _await_arrivals(store: dist.Store, spec: GroupSpec, end: float, timeout_s: float,
+                    cancel: threading.Event | None) -> None:
+    """Rank 0: until every other rank has arrived (connected to the store), then tell them to
+    proceed; or tell them why not and raise: RENDEZVOUS_TIMEOUT at `end` naming the ranks that
+    never came, EPOCH_ABORTED once `cancel` is set (a driver that saw a peer's join fail sets
+    it)."""
+    others = spec.world_size - 1
+    where = f"{spec.master_address}:{spec.master_port}"
+    try:
+        while True:
+            arrived = store.add("arrivals", 0)
+            if arrived >= others:
+                break
+            if cancel is not None and cancel.is_set():
+                raise EpochAbortedError(f"rendezvous at {where}: aborted with {arrived} of "
+                                        f"{others} ranks arrived", reason=Reason.EPOCH_ABORTED)
+            if time.monotonic() >= end:
+                missing = [r for r in range(1, spec.world_size)
+                           if not store.check([f"arrived/{r}"])]
+                raise RendezvousTimeoutError(
+                    f"rendezvous at {where} timed out after {timeout_s:.1f}s: {len(missing)} "
+                    f"of {others} ranks never reached the store (ranks {_ranges(missing)})",
+                    missing_ranks=missing)
+            time.sleep(_ARRIVAL_POLL_S)
+    except RefitError as e:
+        try:
+            store.set(_GO, e.message[:1000])
+        except (RuntimeError, dist.DistError) as gone:  # our own store: should not happen
+            log.warning("could not tell the ranks the rendezvous was given up: %s", gone)
+        raise
+    store.set(_GO, _GO_PROCEED)
+
+
+def _backend_group(store: dist.Store, spec: GroupSpec, timeout: datetime.timedelta
+                   ) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
+    if spec.backend == "gloo":
+        # torch's stubs lack _Options (the constructor takes one at runtime).
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        opts._devices = [_gloo_device(spec.master_address)]
+        return dist.ProcessGroupGloo(store, spec.rank, spec.world_size, opts)
+    nccl_opts = dist.ProcessGroupNCCL.Options()
+    nccl_opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, spec.rank, spec.world_size, nccl_opts)
+
+
+def _build_backend(store: dist.Store, spec: GroupSpec, timeout: datetime.timedelta,
+                   cancel: threading.Event | None
+                   ) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
+    """The backend group, built after the barrier. Its constructor's own rendezvous cannot be
+    interrupted, and a rank that dies after arriving leaves the others in it until `timeout`:
+    with a `cancel`, it is built on a thread of its own and abandoned (EPOCH_ABORTED) once
+    `cancel` is set; the thread drops whatever it builds, and exiting waits for it as for
+    any reaper (`join_reapers`)."""
+    if cancel is None:
+        return _backend_group(store, spec, timeout)
+    box: dict[str, Any] = {}
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def build() -> None:
+        try:
+            pg = _backend_group(store, spec, timeout)
+        except BaseException as e:  # handed to the waiter, or dropped once abandoned
+            with lock:
+                box["error"] = e
+        else:
+            with lock:
+                if box.get("abandoned"):
+                    log.info("group %s rank %d: built after it was abandoned; dropped",
+                             spec.group_id, spec.rank)
+                else:
+                    box["pg"] = pg
+            del pg  # an abandoned group's last reference: destroyed here, on this thread
+        done.set()
+
+    builder = threading.Thread(target=build, daemon=True,
+                               name=f"build-{spec.group_id}-{spec.rank}")
+    builder.start()
+    while not done.wait(CANCEL_POLL_S):
+        if cancel.is_set():
+            with lock:
+                if "pg" not in box and "error" not in box:
+                    box["abandoned"] = True
+                    with _reapers_lock:
+                        _reapers.append(builder)
+                    raise EpochAbortedError(
+                        f"group {spec.group_id} rank {spec.rank}: aborted while the backend "
+                        "formed", reason=Reason.EPOCH_ABORTED)
+    if "error" in box:
+        raise box["error"]
+    return box["pg"]
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7': a message stays short at any width."""
+    out: list[str] = []
+    for r in ranks:
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
 
 
 def set_store_key(host: str, port: int, key: str, timeout_s: float) -> bool:
@@ -253,9 +466,8 @@ def _wait_for_listener(host: str, port: int, end: float, timeout_s: float,
                                     reason=Reason.EPOCH_ABORTED)
         left = end - time.monotonic()
         if left <= 0:
-            raise RefitTimeoutError(f"rendezvous at {host}:{port} timed out after "
-                                    f"{timeout_s:.1f}s: no master listening there",
-                                    reason=Reason.RENDEZVOUS_TIMEOUT)
+            raise RendezvousTimeoutError(f"rendezvous at {host}:{port} timed out after "
+                                         f"{timeout_s:.1f}s: no master listening there")
         try:
             with socket.create_connection((host, port), timeout=min(left, 1.0)):
                 return

@@ -38,3 +38,76 @@ def test_an_abort_key_for_a_gone_trainer_gives_up_at_once_and_reaches_a_live_one
     master = bind_master_store("127.0.0.1", 0, 2, 5)
     assert set_store_key("127.0.0.1", master.port, "refit_grpc/g/abort/1", 2.0) is True
     assert master.get("refit_grpc/g/abort/1") == b"1"
+
+
+def _join_in_thread(spec, timeout_s, **kw):
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["group"] = Group.join(spec, timeout_s, **kw)
+        except Exception as e:  # handed to the test
+            box["error"] = e
+        box["at"] = time.monotonic()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def test_rank_0_names_the_ranks_that_never_came_and_the_others_end_with_it():
+    """Rank 0 waits for every rank to reach its store before the backend's own rendezvous:
+    at its deadline it names the ranks that never came, and the ranks that did are told at once
+    (RENDEZVOUS_FAILED), not left waiting for their own, later deadline inside gloo."""
+    from refit_grpc.collective import RendezvousTimeoutError, bind_master_store
+
+    store = bind_master_store("127.0.0.1", 0, 4, 30)
+    spec = lambda rank: GroupSpec("127.0.0.1", store.port, 4, rank, "gloo", "partial")  # noqa: E731
+    peers = [_join_in_thread(spec(r), 60.0) for r in (1, 2)]
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError) as info:
+        Group.join(spec(0), 3.0, store=store)
+    gave_up = time.monotonic()
+    assert 2.9 <= gave_up - t0 < 4.0, gave_up - t0
+    assert info.value.missing_ranks == (3,)
+    assert "ranks 3" in info.value.message
+    for t, box in peers:
+        t.join(5)
+        assert box["error"].reason == "RENDEZVOUS_FAILED", box["error"]
+        assert box["at"] - gave_up < 1.0
+
+
+def test_a_cancel_ends_a_rank_waiting_inside_the_backends_rendezvous():
+    """A rank that arrived and then never built the backend group (it died) leaves the others
+    inside gloo's rendezvous, which nothing interrupts: with a `cancel`, the wait is abandoned
+    at once (EPOCH_ABORTED) and the build dropped when it ends."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from refit_grpc.collective import bind_master_store
+    from refit_grpc.errors import EpochAbortedError
+
+    store = bind_master_store("127.0.0.1", 0, 3, 30)
+    spec = lambda rank: GroupSpec("127.0.0.1", store.port, 3, rank, "gloo", "one-died")  # noqa: E731
+    # Rank 2 arrives, as Group.join would, and then builds nothing.
+    ghost = dist.PrefixStore("refit_grpc/one-died", dist.TCPStore(
+        "127.0.0.1", store.port, 3, is_master=False, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10)))
+    ghost.set("arrived/2", "1")
+    ghost.add("arrivals", 1)
+    cancels = [threading.Event(), threading.Event()]
+    ranks = [_join_in_thread(spec(0), 60.0, store=store, cancel=cancels[0]),
+             _join_in_thread(spec(1), 60.0, cancel=cancels[1])]
+    time.sleep(2.0)  # both are inside gloo's rendezvous, waiting for rank 2
+    assert all(t.is_alive() for t, _ in ranks)
+    cancelled = time.monotonic()
+    for c in cancels:
+        c.set()
+    for t, box in ranks:
+        t.join(5)
+        assert isinstance(box["error"], EpochAbortedError), box
+        assert box["at"] - cancelled < 0.5

@@ -50,6 +50,7 @@ from refit_grpc.driver.failures import (
     WorkerFailure,
     failure_from_rpc,
     odd_digests,
+    root_causes_first,
 )
 from refit_grpc.driver.links import GlooLink, TrainerLink
 from refit_grpc.driver.membership import endpoint_of
@@ -77,6 +78,29 @@ def _unavailable(exc: BaseException) -> bool:
 # States in which a call may run: any but CLOSED; with a plan.
 _OPEN = (FleetState.EMPTY, FleetState.PREPARED, FleetState.CONNECTED)
 _PREPARED = (FleetState.PREPARED, FleetState.CONNECTED)
+
+
+class _FailureOrder:
+    """Watches join futures: `any_failed` is set by the first to fail, and `futures()` lists
+    those that failed so far, in the order they did (the cause of a failed formation first)."""
+
+    def __init__(self, futures: Sequence[Future]):
+        self.any_failed = threading.Event()
+        self._failed: list[Future] = []
+        self._lock = threading.Lock()
+        for f in futures:
+            f.add_done_callback(self._done)
+
+    def _done(self, f: Future) -> None:
+        if f.cancelled() or f.exception() is None:
+            return
+        with self._lock:
+            self._failed.append(f)
+        self.any_failed.set()
+
+    def futures(self) -> list[Future]:
+        with self._lock:
+            return list(self._failed)
 
 
 class Fleet:
@@ -479,13 +503,18 @@ class Fleet:
             "describe failed", links))
         group_id = group_id or f"refit-{uuid.uuid4().hex[:12]}"
         futures = []
+        # Each join holds its thread until the whole group has formed, so a pool smaller than
+        # the fleet would never send the joins past its size: one thread per join, on demand,
+        # ending with the join.
+        joins = ThreadPoolExecutor(max_workers=len(links), thread_name_prefix="join")
         for i, w in enumerate(links):
             request = pb.InitCollectiveRequest(
                 master_address=ip, master_port=port, world_size=world_size,
                 rank_offset=train_world_size + i * self.config.engine_world_size,
                 backend=BACKEND_FROM_NAME[self.config.backend], group_id=group_id,
                 plan_digest=plan.digest)
-            futures.append(self._pool.submit(self._join_one, w, request))
+            futures.append(joins.submit(self._join_one, w, request))
+        joins.shutdown(wait=False)
         self._group_id = group_id
         self._group_members = tuple(self._members)
         return futures
@@ -552,6 +581,9 @@ class Fleet:
             if listener is not None:
                 listener.close()
             raise
+        # The first shim whose join fails ends the trainer's wait for the others at once
+        # (gloo: `Group.join`'s cancel), and is named first.
+        failed_first = _FailureOrder(futures)
         try:
             if listener is not None:
                 link: TrainerLink = NcclLink(NcclSender.connect(
@@ -560,12 +592,19 @@ class Fleet:
             else:
                 link = GlooLink(Group.join(GroupSpec(ip, port, world, 0, self.config.backend,
                                                      self._group_id or ""),
-                                           self.config.join_timeout_s, store=store), plan)
+                                           self.config.join_timeout_s, store=store,
+                                           cancel=failed_first.any_failed), plan)
         except RefitError as e:
+            causes = failed_first.futures()
             self.abort("trainer failed to join")
-            failures = self._collect(futures, 5.0, links)
-            raise FleetError(f"trainer rank 0 could not join: {e}", failures,
-                             reason=e.reason) from e
+            failures = self._join_failures(futures, links, causes, e, train_world_size)
+            if causes:
+                message = (f"{failures[0].instance_id}'s join failed, so the trainer gave the "
+                           f"rendezvous up: {failures[0].message}")
+            else:
+                message = f"trainer rank 0 could not join: {e}"
+            raise FleetError(message, failures,
+                             reason=failures[0].reason if causes else e.reason) from e
         failures = self._collect(futures, self.config.join_timeout_s, links)
         if failures:
             link.close()
@@ -949,6 +988,38 @@ class Fleet:
                 f.code == grpc.StatusCode.DEADLINE_EXCEEDED for f in failures) else FleetError
             raise cls(f"{method}: {message}", failures, reason=failures[0].reason)
         return results
+
+    def _join_failures(self, futures: list[Future], links: Sequence[WorkerLink],
+                       causes: Sequence[Future], error: RefitError,
+                       train_world_size: int) -> list[WorkerFailure]:
+        """Why a formation failed, the causes first: the shims whose joins failed before the
+        trainer gave up (in the order they failed), then those that never reached the
+        trainer's store (`RendezvousTimeoutError.missing_ranks`), then the rest (those the
+        abort ended, root causes first)."""
+        first = {id(f) for f in causes}
+        missing: list[WorkerFailure] = []
+        seen: set[int] = set()
+        for rank in getattr(error, "missing_ranks", ()):
+            i = (rank - train_world_size) // self.config.engine_world_size
+            if 0 <= i < len(links) and i not in seen and id(futures[i]) not in first:
+                seen.add(i)
+                e = links[i].endpoint
+                missing.append(WorkerFailure(
+                    e.instance_id, e.address, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    Reason.RENDEZVOUS_TIMEOUT,
+                    f"rank {rank} never reached the trainer's rendezvous store"))
+        order = {id(f): k for k, f in enumerate(causes)}
+        by_future = sorted(range(len(futures)), key=lambda i: order.get(id(futures[i]),
+                                                                          len(order) + i))
+        end = time.monotonic() + 5.0  # one bound for all: the abort ended every join
+        cause_failures: list[WorkerFailure] = []
+        rest: list[WorkerFailure] = []
+        for i in by_future:
+            if i in seen:
+                continue
+            got = self._collect([futures[i]], max(end - time.monotonic(), 0.001), [links[i]])
+            (cause_failures if id(futures[i]) in first else rest).extend(got)
+        return cause_failures + missing + root_causes_first(rest)
 
     def _collect(self, futures: list[Future], timeout_s: float,
                  links: Sequence[WorkerLink]) -> list[WorkerFailure]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The shim's stdout lines a parent reads to learn its ports (both bound on port 0 where asked):
@@ -83,49 +84,81 @@ def spawn_shim(*args: str, timeout_s: float = 60.0, env: dict | None = None,
     serves nor exits within `timeout_s` gets SIGUSR1 first (it dumps every thread's stack to its
     stderr), then SIGKILL.
     """
-    cmd = [sys.executable, "-m", "refit_grpc.cli", "shim", *args]
-    if "--address" not in args:
-        cmd += ["--address", "127.0.0.1:0"]
-    child_env = {**os.environ, **(env or {})}
-    child_env.pop(DIE_WITH_PARENT_ENV, None)
-    # PDEATHSIG follows the creating *thread*: only the main thread's children ask for it, or a
-    # shim started from a worker thread would be stopped when that thread ends.
-    if threading.current_thread() is threading.main_thread():
-        child_env[DIE_WITH_PARENT_ENV] = str(os.getpid())
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                            env=child_env)
-    # readline() on a pipe has no timeout: a thread reads, this one waits with one.
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_read_until_ready, args=(proc.stdout, lines), daemon=True,
-                     name=f"shim-stdout-{proc.pid}").start()
+    return _StartingShim(args, env, stderr).ready(time.monotonic() + timeout_s)
+
+
+def spawn_shims(shim_args: Sequence[Sequence[str]], *, timeout_s: float = 300.0,
+                env: dict | None = None, stderr=None) -> list[ShimProcess]:
+    """`spawn_shim` for each entry of `shim_args`, all started before any is waited for (a
+    shim's start is mostly importing torch: started one by one, 64 shims took 64 times one
+    start). Every one serves, or every one is stopped and the first failure raised."""
+    starting = [_StartingShim(tuple(args), env, stderr) for args in shim_args]
     end = time.monotonic() + timeout_s
-    metrics_address = None
-    while True:
-        try:
-            line = lines.get(timeout=max(end - time.monotonic(), 0.001))
-        except queue.Empty:
-            line = None
-        if line and line.startswith(METRICS_PREFIX):
-            url = line[len(METRICS_PREFIX):].strip()
-            metrics_address = url.removeprefix("http://").removesuffix("/metrics")
-            continue
-        break
-    if line:
-        address, instance_id = line[len(READY_PREFIX):].split()
-        return ShimProcess(proc, address, instance_id, metrics_address)
-    if line == "":  # EOF: the shim exited (or closed stdout) without serving
-        try:
-            code = proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait(5)
-        raise RuntimeError(f"shim exited with {code} before serving: {cmd}")
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)
-    proc.kill()
-    proc.wait(5)
-    raise TimeoutError(f"shim did not start within {timeout_s}s: {cmd}")
+    ready: list[ShimProcess] = []
+    try:
+        for s in starting:
+            ready.append(s.ready(end))
+    except BaseException:
+        for s in starting:
+            if s.proc.poll() is None:
+                s.proc.kill()
+        for s in starting:
+            s.proc.wait(5)
+        raise
+    return ready
+
+
+class _StartingShim:
+    """A shim process started, not yet known to serve."""
+
+    def __init__(self, args: Sequence[str], env: dict | None, stderr) -> None:
+        cmd = [sys.executable, "-m", "refit_grpc.cli", "shim", *args]
+        if "--address" not in args:
+            cmd += ["--address", "127.0.0.1:0"]
+        child_env = {**os.environ, **(env or {})}
+        child_env.pop(DIE_WITH_PARENT_ENV, None)
+        # PDEATHSIG follows the creating *thread*: only the main thread's children ask for it,
+        # or a shim started from a worker thread would be stopped when that thread ends.
+        if threading.current_thread() is threading.main_thread():
+            child_env[DIE_WITH_PARENT_ENV] = str(os.getpid())
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                     env=child_env)
+        # readline() on a pipe has no timeout: a thread reads, the waiter waits with one.
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_read_until_ready, args=(self.proc.stdout, self.lines),
+                         daemon=True, name=f"shim-stdout-{self.proc.pid}").start()
+
+    def ready(self, end: float) -> ShimProcess:
+        """Once it serves (its READY line), or raise at `end` (time.monotonic())."""
+        proc, cmd = self.proc, self.cmd
+        metrics_address = None
+        while True:
+            try:
+                line: str | None = self.lines.get(timeout=max(end - time.monotonic(), 0.001))
+            except queue.Empty:
+                line = None
+            if line and line.startswith(METRICS_PREFIX):
+                url = line[len(METRICS_PREFIX):].strip()
+                metrics_address = url.removeprefix("http://").removesuffix("/metrics")
+                continue
+            break
+        if line:
+            address, instance_id = line[len(READY_PREFIX):].split()
+            return ShimProcess(proc, address, instance_id, metrics_address)
+        if line == "":  # EOF: the shim exited (or closed stdout) without serving
+            try:
+                code = proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait(5)
+            raise RuntimeError(f"shim exited with {code} before serving: {cmd}")
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.5)
+        proc.kill()
+        proc.wait(5)
+        raise TimeoutError(f"shim did not start in time: {cmd}")
 
 
 def _read_until_ready(stream, lines: queue.Queue) -> None:

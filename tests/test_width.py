@@ -1,0 +1,105 @@
+"""A fleet of 64 real shim processes (reference engines in store mode) forms, refits and forms
+again (a new `Fleet`, a membership change), and a formation that cannot complete ends at once
+and names the shim that caused it (issue: a fleet of a few dozen engines did not form, and the
+error blamed the wrong shims).
+
+Before: 40 shims never formed and 16 failed a second formation: torch's store listener formats
+each accepted peer with a reverse lookup that stalled its accept loop for the resolver's 5 s
+timeout now and then, the shims' store connects were capped at 3 s without retry, and the trainer
+waited out its whole join timeout naming every shim DEADLINE_EXCEEDED
+(`collective.bind_master_store`, `collective._connect_store`, `collective._await_arrivals`).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+
+from refit_grpc import Fleet, FleetError, WorkerEndpoint
+from refit_grpc.plan import Packing, weights_digest
+from refit_grpc.shim.process import ShimProcess, spawn_shims
+
+from support import info
+
+WIDTH = 64
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(8)}
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """WIDTH shim processes, started together, for the whole module."""
+    shims = spawn_shims([("--model", "none", "--instance-id", f"sc-{i}",
+                          "--buffer-size-bytes", str(1 << 16), "--torch-threads", "1")
+                         for i in range(WIDTH)])
+    yield shims
+    for s in shims:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+    for s in shims:
+        s.stop()
+
+
+def fleet_of(shims: list[ShimProcess], **config) -> Fleet:
+    config = {"packing": Packing(1 << 16, 2), "join_timeout_s": 90, "epoch_timeout_s": 60,
+              **config}
+    return Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims], **config)
+
+
+def refit_and_check(fleet: Fleet, link, version: int) -> None:
+    w = weights(version)
+    report = fleet.refit(link, w, version=version, verify_weights=True)
+    expected = weights_digest(w.items())
+    assert len(report.workers) == len(fleet.members)
+    assert {r.weights_digest for r in report.workers} == {expected}
+
+
+def test_sixty_four_shims_form_refit_and_form_again(wide):
+    with fleet_of(wide) as fleet:
+        fleet.prepare(info(weights(1)))
+        link = fleet.connect("127.0.0.1")
+        refit_and_check(fleet, link, 1)
+        # A membership change forms the group again at the next epoch.
+        fleet.remove(wide[-1].instance_id)
+        refit_and_check(fleet, link, 2)
+        fleet.add(WorkerEndpoint(wide[-1].instance_id, wide[-1].address))
+        refit_and_check(fleet, link, 3)
+        link.close()
+    # A new Fleet (a trainer restarted) forms the same shims again.
+    with fleet_of(wide) as fleet:
+        fleet.prepare(info(weights(1)))
+        link = fleet.connect("127.0.0.1")
+        refit_and_check(fleet, link, 4)
+        link.close()
+
+
+def test_a_join_that_fails_ends_the_formation_at_once_naming_its_shim(shim_procs, wide):
+    """One shim of WIDTH + 1 refuses to join (the trainer's address is outside the networks it
+    accepts a rendezvous from): the trainer stops waiting at once, not at its 90 s join
+    deadline, names that shim first, and every other shim's join ends with it (the next
+    formation of the WIDTH finds none of them busy)."""
+    victim = shim_procs("--model", "none", "--instance-id", "victim", "--allow-master",
+                        "10.0.0.0/8", "--buffer-size-bytes", str(1 << 16))
+    shims = [*wide[:30], victim, *wide[30:]]
+    with fleet_of(shims) as fleet:
+        fleet.prepare(info(weights(1)))
+        t0 = time.monotonic()
+        with pytest.raises(FleetError) as err:
+            fleet.connect("127.0.0.1")
+        took = time.monotonic() - t0
+    failures = err.value.failures
+    assert failures[0].instance_id == "victim", [str(f) for f in failures[:3]]
+    assert failures[0].reason == "MASTER_NOT_ALLOWED", str(failures[0])
+    assert "victim" in str(err.value).split(";")[0]
+    assert took < 10, took
+    with fleet_of(wide) as fleet:
+        fleet.prepare(info(weights(1)))
+        link = fleet.connect("127.0.0.1")
+        refit_and_check(fleet, link, 5)
+        link.close()
