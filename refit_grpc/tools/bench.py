@@ -245,7 +245,8 @@ def estimate_memory(plan: RefitPlan, workers: int, arms: Sequence[str]) -> Need:
         if not here:
             continue
         receiver = total + bufs + (total if "staged" in here else 0)
-        trainer = total + bufs * len([a for a in here if a != "per-tensor"])
+        # One sender per set holds buffers (raw's, the fleet's, NeMo RL's fresh buckets).
+        trainer = total + (bufs if set(here) - {"floor", "floor-buckets", "per-tensor"} else 0)
         trainer += total if {"floor", "floor-buckets"} & set(here) else 0
         phases[name] = trainer + (workers + 1) * PROCESS_BASE_BYTES + workers * receiver
     return Need(phases)
