@@ -101,13 +101,14 @@ BENCH_WORLD_FLAGS = $(foreach w,$(BENCH_WORLDS),--world $(w))
 # Every arm (the floor as one broadcast and in buckets, per-tensor, raw, refit_grpc in place and
 # staged, HTTP-JSON) side by side on the realistic 1 GiB decoder mix, for a trainer and 1
 # receiver, then 4 (docs/bench.md). One set of receivers alive at a time, restarted every rep.
-# Its wall time: docs/bench.md.
+# Measured on 2 cores shared with other runs: 11.5 minutes with world 5 shrunk to 512 MB by the
+# memory check; at 1 GiB world 2 took 4 and world 5 12 minutes (docs/bench.md).
 bench: proto
 	$(VENV)/bin/refit-grpc bench $(BENCH_WORLD_FLAGS) --reps 7 $(BENCH_FLAGS)
 
 # The stall users of a real vLLM engine feel, in-place against staged epochs interleaved, under
 # streamed generation (figure in build/bench-stall.png), then the reference engine's stall at 1 GiB
-# (in place: the epoch; staged: the flip) beside the floor (docs/bench.md). About 6 minutes.
+# (in place: the epoch; staged: the flip) beside the floor (docs/bench.md). --quick: about a minute.
 bench-stall: proto vllm
 	$(VENV)/bin/refit-grpc bench-stall $(BENCH_FLAGS)
 	$(VENV)/bin/refit-grpc bench $(BENCH_WORLD_FLAGS) --reps 5 --arms floor,floor-buckets,refit_grpc,staged $(BENCH_FLAGS)
