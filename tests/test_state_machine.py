@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,8 +17,9 @@ from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import pb, ref_pb, ref_pb_grpc
+from refit_grpc.shim.admission import ADMISSIONS, Busy, markdown_table, refusal
 from refit_grpc.shim.engines.reference import ReferenceEngine
-from refit_grpc.shim.service import ShimConfig
+from refit_grpc.shim.service import RefitServicer, ShimConfig
 
 from support import Epoch, full_epoch, join, prepare_request, tensors_v
 
@@ -34,6 +37,53 @@ def refused(call) -> tuple[grpc.StatusCode, str]:
         if hasattr(result, "__iter__") and not isinstance(result, pb.DescribeResponse):
             list(result)
     return reason_of(e.value)
+
+
+def test_the_protocol_page_shows_the_codes_admission_table():
+    page = (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
+    assert markdown_table() in page, \
+        "docs/protocol.md's admission table is not ADMISSIONS: paste what " \
+        "`python -m refit_grpc.shim.admission` prints"
+
+
+def test_every_rpc_has_one_admission_and_every_handler_asks_it():
+    rpcs = [m.name for m in pb.DESCRIPTOR.services_by_name["RefitService"].methods]
+    assert sorted(ADMISSIONS) == sorted(rpcs)
+    source = inspect.getsource(RefitServicer)
+    assert [rpc for rpc in rpcs if f'_admit_locked("{rpc}"' not in source] == []
+    # Each long operation is held by exactly the RPC it is named after.
+    assert {rpc: a.holds for rpc, a in ADMISSIONS.items() if a.holds} == \
+        {busy.value: busy for busy in Busy}
+
+
+@pytest.mark.parametrize("rpc,state,busy,draining,instance_id,expected", [
+    # A restarted shim is EMPTY too: the instance is named first, not the state.
+    ("UpdateWeights", S.SHIM_STATE_EMPTY, None, False, "old", "MEMBERSHIP_CHANGED"),
+    ("Flip", S.SHIM_STATE_STAGED, None, True, "old", "MEMBERSHIP_CHANGED"),
+    ("UpdateWeights", S.SHIM_STATE_READY, None, False, "me", None),
+    # Flush never resumes partial weights, and says so before it says "shutting down".
+    ("Flush", S.SHIM_STATE_BROKEN, None, True, "", "BROKEN"),
+    ("Prepare", S.SHIM_STATE_READY, None, True, "", "SHUTTING_DOWN"),
+    # The state is named before a long operation that holds it.
+    ("Prepare", S.SHIM_STATE_RECEIVING, Busy.EPOCH, False, "", "WRONG_STATE"),
+    ("CatchUp", S.SHIM_STATE_CATCHING_UP, Busy.CATCH_UP, False, "", "WRONG_STATE"),
+    ("Prepare", S.SHIM_STATE_PREPARED, Busy.JOIN, False, "", "BUSY"),
+    ("ServeCatchUp", S.SHIM_STATE_READY, Busy.SERVE, False, "", "BUSY"),
+    # Flip is admitted in any state (its handler says NOT_STAGED), so BUSY comes first.
+    ("Flip", S.SHIM_STATE_PREPARED, Busy.JOIN, False, "", "BUSY"),
+    ("Flip", S.SHIM_STATE_READY, None, False, "", None),
+    # Flush runs beside a flip, a join or a serve; only an epoch makes it BUSY.
+    ("Flush", S.SHIM_STATE_STAGED, Busy.FLIP, False, "", None),
+    ("Flush", S.SHIM_STATE_READY, Busy.EPOCH, False, "", "BUSY"),
+    # Describe and Abort are never refused.
+    ("Describe", S.SHIM_STATE_BROKEN, Busy.EPOCH, True, "", None),
+    ("Abort", S.SHIM_STATE_RECEIVING, Busy.EPOCH, True, "", None),
+])
+def test_the_first_refusal_that_holds_is_named(rpc, state, busy, draining, instance_id,
+                                                expected):
+    refused = refusal(rpc, state=state, busy=busy, draining=draining, instance_id=instance_id,
+                      own_instance_id="me")
+    assert (refused.reason if refused else None) == expected
 
 
 def test_describe_when_empty(shim):

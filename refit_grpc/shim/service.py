@@ -9,9 +9,10 @@ The state is derived, never stored, so it cannot drift from the facts it summari
     STAGED     a staged version waits for its Flip (engine serving the previous version)
     READY      plan + joined data group
     PREPARED   plan, no group
-Transitions are checked under one lock; the long parts (rendezvous, receive) run outside it,
-marked by `Busy` so no two of them overlap. The invariants this upholds are listed, numbered, in
-docs/protocol.md.
+Every RPC is admitted by one table (`shim/admission.py`: which state, BUSY for what, draining,
+instance id) under one lock; the long parts (rendezvous, receive) run outside it, marked by
+`Busy` so no two of them overlap, and one release (`_hold_locked`) ends each. The invariants
+this upholds are listed, numbered, in docs/protocol.md.
 
 Refinement of the design: an epoch that fails before any byte reached the engine leaves the
 weights intact, so the engine is resumed and the shim returns to PREPARED (group torn down), not
@@ -20,6 +21,7 @@ BROKEN. That is what lets one worker's refusal abort the others without taking t
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import ipaddress
 import logging
@@ -52,7 +54,6 @@ from refit_grpc.common import (
 )
 from refit_grpc.errors import (
     CollectiveError,
-    EngineUnavailableError,
     EpochAbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -64,6 +65,7 @@ from refit_grpc.errors import (
 from refit_grpc.plan import DTYPES, Packing, RefitPlan, TensorSpec
 from refit_grpc.proto import BACKEND_NAMES, DTYPE_FROM_PROTO, PAUSE_MODE_FROM_PROTO, pb, pb_grpc
 from refit_grpc.reasons import Reason
+from refit_grpc.shim.admission import ADMISSIONS, Busy, refusal
 from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.status import status_on_error
 
@@ -86,16 +88,6 @@ class ShimConfig:
     # Masters the shim may join; a hostile caller must not point the engine at its own rendezvous.
     allowed_master_networks: Sequence[str] = ("127.0.0.0/8", "::1/128")
     instance_id: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
-
-
-class Busy(enum.Enum):
-    """The long operation running outside the lock, if any."""
-
-    JOIN = "InitCollective"
-    EPOCH = "UpdateWeights"
-    FLIP = "Flip"
-    SERVE = "ServeCatchUp"
-    CATCH_UP = "CatchUp"
 
 
 class ReceiveEvent(enum.Enum):
@@ -199,16 +191,35 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     def abort_all(self, reason: str) -> None:
         self._abort(reason)
 
-    def _refuse_state(self, what: str, allowed: Sequence[State]) -> None:
-        if self._shutting_down:
-            raise EngineUnavailableError(f"{what} refused: the shim is shutting down",
-                                         reason=Reason.SHUTTING_DOWN)
-        state = self._state_locked()
-        if state not in allowed:
-            names = ", ".join(pb.ShimState.Name(s) for s in allowed)
-            raise FailedPreconditionError(
-                f"{what} refused in state {pb.ShimState.Name(state)} (allowed: {names})",
-                reason=Reason.WRONG_STATE)
+    def _admit_locked(self, rpc: str, instance_id: str = "") -> None:
+        """Refuse `rpc` unless the admission table admits it now (state, busy, draining,
+        instance id). A handler's own checks follow under the same lock hold, then
+        `_hold_locked` if it runs a long operation."""
+        refused = refusal(rpc, state=self._state_locked(), busy=self._busy,
+                          draining=self._shutting_down, instance_id=instance_id,
+                          own_instance_id=self.config.instance_id)
+        if refused is not None:
+            raise refused
+
+    def _hold_locked(self, rpc: str) -> contextlib.AbstractContextManager[None]:
+        """Mark the shim busy with `rpc`'s long operation; the context manager returned ends
+        it, whatever happens, forgetting what it carried (epoch, join deadline, catch-up). One
+        long operation runs at a time, so the release clears them all."""
+        busy = ADMISSIONS[rpc].holds
+        assert busy is not None and self._busy is None, (rpc, self._busy)
+        self._busy = busy
+        return self._release_at_end()
+
+    @contextlib.contextmanager
+    def _release_at_end(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy = None
+                self._epoch = None
+                self._join_deadline = None
+                self._catch_up = None
 
     @property
     def weight_version(self) -> int:
@@ -237,6 +248,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         status = self.engine.status(with_digest=not request.skip_weights_digest)
         copy = self.engine.committed_copy
         with self._lock:
+            self._admit_locked("Describe")
             return pb.DescribeResponse(
                 instance_id=self.config.instance_id,
                 engine_kind=self.engine.kind,
@@ -273,11 +285,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             plan.validate(self.config.max_plan_bytes, self.config.max_plan_tensors)
             self.engine.check_plan(plan)
             with self._lock:
-                self._refuse_state("Prepare", [pb.SHIM_STATE_EMPTY, pb.SHIM_STATE_PREPARED,
-                                               pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
-                if self._busy:
-                    raise FailedPreconditionError(f"Prepare refused while {self._busy.value} runs",
-                                                  reason=Reason.BUSY)
+                self._admit_locked("Prepare")
                 if self._staged is not None and self._plan is not None \
                         and self._plan.digest != plan.digest:
                     raise FailedPreconditionError(
@@ -321,35 +329,25 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     f"ranks [{request.rank_offset}, {request.rank_offset + self.engine.world_size})"
                     f" do not fit world_size {request.world_size}", reason=Reason.INVALID_RANK)
             with self._lock:
-                # Not in STAGED: joining drops the group a staged version came through, and a
-                # trainer that re-forms a group leaves its STAGED engines out of it.
-                self._refuse_state("InitCollective", [pb.SHIM_STATE_PREPARED, pb.SHIM_STATE_READY,
-                                                      pb.SHIM_STATE_BROKEN])
-                if self._busy:
-                    raise FailedPreconditionError(
-                        f"InitCollective refused while {self._busy.value} runs",
-                        reason=Reason.BUSY)
+                self._admit_locked("InitCollective")
                 plan = self._check_digest(request.plan_digest)
                 self._drop_group_locked()
-                self._busy = Busy.JOIN
                 self._join_deadline = deadline
+                joining = self._hold_locked("InitCollective")
             context.add_callback(deadline.cancel.set)  # a caller that goes away cancels the join
-            try:
-                yield pb.InitCollectiveResponse(phase=pb.INIT_COLLECTIVE_PHASE_ACCEPTED,
-                                                seconds=time.monotonic() - t0)
-                self.engine.init_transfer(spec, plan, deadline)
-                with self._lock:
-                    deadline.check("InitCollective")  # an Abort during the join wins
-                    self._group = spec
-                log.info("joined group %s as rank %d/%d", spec.group_id, spec.rank,
-                         spec.world_size)
-            except BaseException:
-                self.engine.abort_transfer()
-                raise
-            finally:
-                with self._lock:
-                    self._busy = None
-                    self._join_deadline = None
+            with joining:
+                try:
+                    yield pb.InitCollectiveResponse(phase=pb.INIT_COLLECTIVE_PHASE_ACCEPTED,
+                                                    seconds=time.monotonic() - t0)
+                    self.engine.init_transfer(spec, plan, deadline)
+                    with self._lock:
+                        deadline.check("InitCollective")  # an Abort during the join wins
+                        self._group = spec
+                    log.info("joined group %s as rank %d/%d", spec.group_id, spec.rank,
+                             spec.world_size)
+                except BaseException:
+                    self.engine.abort_transfer()
+                    raise
             yield pb.InitCollectiveResponse(phase=pb.INIT_COLLECTIVE_PHASE_JOINED,
                                             seconds=time.monotonic() - t0)
 
@@ -366,12 +364,6 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                                reason=Reason.INVALID_DELTA)
             _check_digest_shape(request.delta_base_digest, "delta_base_digest")
             mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
-            if request.instance_id and request.instance_id != self.config.instance_id:
-                # First: a restarted shim is EMPTY too, and "wrong state" would hide the cause.
-                raise FailedPreconditionError(
-                    f"this shim is {self.config.instance_id!r}, the epoch was opened for "
-                    f"{request.instance_id!r} (restarted since InitCollective)",
-                    reason=Reason.MEMBERSHIP_CHANGED)
             canary = request.canary if request.HasField("canary") else None
             if canary is not None:
                 problem = canary_problem(canary.token_ids, canary.expected_logprobs)
@@ -392,12 +384,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     reason=Reason.STAGING_UNSUPPORTED)
             delta = bool(request.delta_base_version or request.delta_base_digest)
             if delta:
-                self._check_delta_base(request, staged)
+                self._check_delta_request(request, staged)
             with self._lock:
-                self._refuse_state("UpdateWeights", [pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN])
-                if self._busy:
-                    raise FailedPreconditionError(f"UpdateWeights refused while {self._busy.value} runs",
-                                                  reason=Reason.BUSY)
+                self._admit_locked("UpdateWeights", request.instance_id)
+                if delta:
+                    self._check_delta_base(request)
                 if self._group is None:
                     raise FailedPreconditionError("no data group: call InitCollective first",
                                                   reason=Reason.NO_GROUP)
@@ -410,7 +401,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 epoch = _Epoch(request.version, deadline, request.verify_weights, canary,
                                staged=staged, delta=delta, flip_timeout_s=flip_timeout_s)
                 self._epoch = epoch
-                self._busy = Busy.EPOCH
+                receiving = self._hold_locked("UpdateWeights")
             # A caller that goes away (trainer crash) cancels the receive; the deadline is the
             # watchdog that ends it even when no cancellation ever arrives.
             context.add_callback(deadline.cancel.set)
@@ -418,82 +409,83 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             was_paused = self.engine.is_paused()
             receiver: threading.Thread | None = None
             try:
-                if not staged:  # a staged epoch never pauses: the engine serves throughout
-                    self.engine.pause(mode, deadline)
-                # The receive runs on its own thread so a slow client reading PROGRESS can never
-                # stall the collective; the stream just relays its events. It starts before
-                # ACCEPTED goes out, so its first receives are already posted when the trainer,
-                # having every ACCEPTED, starts to send: no thread start on the critical path.
-                events: queue.Queue = queue.Queue()
-                receiver = threading.Thread(
-                    target=self._receive, args=(plan, epoch, events), daemon=True,
-                    name=f"receive-v{request.version}")
-                t_accept = time.monotonic()
-                receiver.start()
-                yield pb.UpdateWeightsResponse(phase=pb.UPDATE_WEIGHTS_PHASE_ACCEPTED,
-                                               version=request.version,
-                                               bucket_count=len(plan.buckets),
-                                               seconds=t_accept - t0)
-                while True:
+                with receiving:  # released after the failure's clean-up: RECEIVING until then
                     try:
-                        kind, value = events.get(timeout=max(deadline.remaining(), 0.0) + 5.0)
-                    except queue.Empty:
-                        raise RefitTimeoutError("receive outlived its deadline") from None
-                    if kind is ReceiveEvent.ERROR:
-                        raise value
-                    if kind is ReceiveEvent.BUCKET:
-                        if not events.empty():
-                            # Behind the receive: only the newest bucket is news (PROGRESS is
-                            # "applied up to here"), and COMMITTED, if it is already queued,
-                            # says everything. One message less per bucket on a loaded host.
-                            continue
+                        if not staged:  # a staged epoch never pauses: the engine serves throughout
+                            self.engine.pause(mode, deadline)
+                        # The receive runs on its own thread so a slow client reading PROGRESS can never
+                        # stall the collective; the stream just relays its events. It starts before
+                        # ACCEPTED goes out, so its first receives are already posted when the trainer,
+                        # having every ACCEPTED, starts to send: no thread start on the critical path.
+                        events: queue.Queue = queue.Queue()
+                        receiver = threading.Thread(
+                            target=self._receive, args=(plan, epoch, events), daemon=True,
+                            name=f"receive-v{request.version}")
+                        t_accept = time.monotonic()
+                        receiver.start()
+                        yield pb.UpdateWeightsResponse(phase=pb.UPDATE_WEIGHTS_PHASE_ACCEPTED,
+                                                       version=request.version,
+                                                       bucket_count=len(plan.buckets),
+                                                       seconds=t_accept - t0)
+                        while True:
+                            try:
+                                kind, value = events.get(timeout=max(deadline.remaining(), 0.0) + 5.0)
+                            except queue.Empty:
+                                raise RefitTimeoutError("receive outlived its deadline") from None
+                            if kind is ReceiveEvent.ERROR:
+                                raise value
+                            if kind is ReceiveEvent.BUCKET:
+                                if not events.empty():
+                                    # Behind the receive: only the newest bucket is news (PROGRESS is
+                                    # "applied up to here"), and COMMITTED, if it is already queued,
+                                    # says everything. One message less per bucket on a loaded host.
+                                    continue
+                                yield pb.UpdateWeightsResponse(
+                                    phase=pb.UPDATE_WEIGHTS_PHASE_PROGRESS, version=request.version,
+                                    bucket_index=value.index, bucket_count=len(plan.buckets),
+                                    bytes_received=epoch.bytes_applied,
+                                    seconds=time.monotonic() - t_accept)
+                                continue
+                            digest, canary_result = value
+                            break
+                        if staged:
+                            with self._lock:
+                                deadline.check("staged")  # an Abort that raced the last bucket wins
+                                self._hold_staged_locked(epoch, digest)
+                                committed = True
+                            log.info("staged version %d (%d bytes, %.3fs; digest %s), flip within %.0fs",
+                                     request.version, plan.total_bytes, time.monotonic() - t_accept,
+                                     digest[:12], flip_timeout_s)
+                            yield pb.UpdateWeightsResponse(
+                                phase=pb.UPDATE_WEIGHTS_PHASE_STAGED, version=request.version,
+                                bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
+                                seconds=time.monotonic() - t_accept, staged_digest=digest)
+                            return
+                        with self._lock:
+                            deadline.check("commit")  # an Abort that raced the last bucket wins
+                            self._version = request.version
+                            self._weights_intact = True
+                            self._last_error = ""
+                            if canary_result is not None:
+                                self._last_canary = (request.version, canary_result.max_abs_gap)
+                            committed = True
+                        log.info("committed version %d (%d bytes, %.3fs)", request.version,
+                                 plan.total_bytes, time.monotonic() - t_accept)
                         yield pb.UpdateWeightsResponse(
-                            phase=pb.UPDATE_WEIGHTS_PHASE_PROGRESS, version=request.version,
-                            bucket_index=value.index, bucket_count=len(plan.buckets),
-                            bytes_received=epoch.bytes_applied,
-                            seconds=time.monotonic() - t_accept)
-                        continue
-                    digest, canary_result = value
-                    break
-                if staged:
-                    with self._lock:
-                        deadline.check("staged")  # an Abort that raced the last bucket wins
-                        self._hold_staged_locked(epoch, digest)
-                        committed = True
-                    log.info("staged version %d (%d bytes, %.3fs; digest %s), flip within %.0fs",
-                             request.version, plan.total_bytes, time.monotonic() - t_accept,
-                             digest[:12], flip_timeout_s)
-                    yield pb.UpdateWeightsResponse(
-                        phase=pb.UPDATE_WEIGHTS_PHASE_STAGED, version=request.version,
-                        bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
-                        seconds=time.monotonic() - t_accept, staged_digest=digest)
-                    return
-                with self._lock:
-                    deadline.check("commit")  # an Abort that raced the last bucket wins
-                    self._version = request.version
-                    self._weights_intact = True
-                    self._last_error = ""
-                    if canary_result is not None:
-                        self._last_canary = (request.version, canary_result.max_abs_gap)
-                    committed = True
-                log.info("committed version %d (%d bytes, %.3fs)", request.version,
-                         plan.total_bytes, time.monotonic() - t_accept)
-                yield pb.UpdateWeightsResponse(
-                    phase=pb.UPDATE_WEIGHTS_PHASE_COMMITTED, version=request.version,
-                    bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
-                    seconds=time.monotonic() - t_accept, weights_digest=digest,
-                    canary=canary_result)
+                            phase=pb.UPDATE_WEIGHTS_PHASE_COMMITTED, version=request.version,
+                            bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
+                            seconds=time.monotonic() - t_accept, weights_digest=digest,
+                            canary=canary_result)
+                    finally:
+                        if not committed:
+                            deadline.cancel.set()
+                            self.engine.abort_transfer()
+                            if receiver is not None:
+                                # Closing the group fails the pending receive at once; the
+                                # bound is a guard.
+                                receiver.join(timeout=10.0)
+                            self._fail_epoch(epoch, was_paused)
             finally:
-                if not committed:
-                    deadline.cancel.set()
-                    self.engine.abort_transfer()
-                    if receiver is not None:
-                        # Closing the group fails the pending receive at once; the bound is a guard.
-                        receiver.join(timeout=10.0)
-                    self._fail_epoch(epoch, was_paused)
-                with self._lock:
-                    self._epoch = None
-                    self._busy = None
                 if not committed:
                     log.warning("epoch %d failed after %d bytes; state now %s", epoch.version,
                                 epoch.bytes_applied, pb.ShimState.Name(self.state()))
@@ -562,19 +554,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             _check_digest_shape(request.staged_digest, "staged_digest")
             _check_instance_id(request.instance_id, "instance_id")
             mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
-            if request.instance_id and request.instance_id != self.config.instance_id:
-                raise FailedPreconditionError(
-                    f"this shim is {self.config.instance_id!r}, the Flip was sent to "
-                    f"{request.instance_id!r} (restarted since it staged)",
-                    reason=Reason.MEMBERSHIP_CHANGED)
             dropped = None
             with self._lock:
-                if self._shutting_down:
-                    raise EngineUnavailableError("Flip refused: the shim is shutting down",
-                                                 reason=Reason.SHUTTING_DOWN)
-                if self._busy:
-                    raise FailedPreconditionError(f"Flip refused while {self._busy.value} runs",
-                                                  reason=Reason.BUSY)
+                self._admit_locked("Flip", request.instance_id)
                 staged = self._staged
                 if staged is None:
                     why = f" (last error: {self._last_error})" if self._last_error else ""
@@ -592,7 +574,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                                         f"{staged.version} dropped")
                 else:
                     self._take_staged_locked()
-                    self._busy = Busy.FLIP
+                    flipping = self._hold_locked("Flip")
             if dropped is not None:
                 self.engine.drop_staged()
                 raise FailedPreconditionError(
@@ -600,11 +582,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     f"{request.staged_digest[:16]!r}: the bytes this engine staged are not the "
                     f"ones sent; version {staged.version} dropped, serving "
                     f"{self._version}", reason=Reason.STAGED_DIGEST_MISMATCH)
-            try:
+            with flipping:
                 done = self._flip(staged, mode, request.stay_paused, deadline)
-            finally:
-                with self._lock:
-                    self._busy = None
             done.state = self.state()
             return done
 
@@ -669,7 +648,6 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             _check_instance_id(request.target_instance_id, "target_instance_id")
             _check_digest_shape(request.staged_digest, "staged_digest")
             _check_digest_shape(request.plan_digest, "plan_digest")
-            self._check_instance(request.instance_id, "ServeCatchUp")
             if request.version < 1 or not request.staged_digest or not request.group_id:
                 raise InvalidArgumentError("ServeCatchUp needs version >= 1, the committed "
                                            "copy's staged digest and a group id",
@@ -694,10 +672,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     reason=Reason.CATCH_UP_UNSUPPORTED)
             target = request.target_instance_id or "an engine catching up"
             with self._lock:
-                self._refuse_state("ServeCatchUp", [pb.SHIM_STATE_PREPARED, pb.SHIM_STATE_READY])
-                if self._busy:
-                    raise FailedPreconditionError(
-                        f"ServeCatchUp refused while {self._busy.value} runs", reason=Reason.BUSY)
+                self._admit_locked("ServeCatchUp", request.instance_id)
                 plan = self._check_digest(request.plan_digest)
                 held = self.engine.committed_copy
                 if held != (request.version, request.staged_digest):
@@ -706,10 +681,10 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                         f"asked to serve version {request.version} "
                         f"({request.staged_digest[:16]}); this engine's committed copy: {have}",
                         reason=Reason.PEER_COPY_MISMATCH)
-                self._busy = Busy.SERVE
                 self._catch_up = _CatchUp(deadline, serving=True, other=target)
+                serving = self._hold_locked("ServeCatchUp")
             context.add_callback(deadline.cancel.set)  # the driver going away ends the serve
-            try:
+            with serving:
                 store = bind_master_store(request.listen_address, 0, world,
                                           deadline.check("catch-up rendezvous"))
                 spec = GroupSpec(request.listen_address, store.port, world, 0, "gloo",
@@ -737,10 +712,6 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 yield pb.ServeCatchUpResponse(phase=pb.SERVE_CATCH_UP_PHASE_SENT,
                                               bytes_sent=plan.total_bytes,
                                               seconds=time.monotonic() - t0)
-            finally:
-                with self._lock:
-                    self._busy = None
-                    self._catch_up = None
 
     def CatchUp(self, request, context):
         """Receive a peer's committed copy into the staging copy (the peer's group, not the
@@ -754,7 +725,6 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             _check_instance_id(request.peer_instance_id, "peer_instance_id")
             _check_digest_shape(request.staged_digest, "staged_digest")
             _check_digest_shape(request.plan_digest, "plan_digest")
-            self._check_instance(request.instance_id, "CatchUp")
             mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
             if request.version < 1 or not request.staged_digest or not request.group_id:
                 raise InvalidArgumentError("CatchUp needs version >= 1, the peer copy's staged "
@@ -773,18 +743,14 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     reason=Reason.CATCH_UP_UNSUPPORTED)
             peer = request.peer_instance_id or f"{request.master_address}:{request.master_port}"
             with self._lock:
-                self._refuse_state("CatchUp", [pb.SHIM_STATE_PREPARED, pb.SHIM_STATE_READY,
-                                               pb.SHIM_STATE_BROKEN])
-                if self._busy:
-                    raise FailedPreconditionError(f"CatchUp refused while {self._busy.value} runs",
-                                                  reason=Reason.BUSY)
+                self._admit_locked("CatchUp", request.instance_id)
                 self._check_newer(request.version)
                 plan = self._check_digest(request.plan_digest)
                 broken = not self._weights_intact
                 # The fleet forms its group again with this engine once it caught up.
                 self._drop_group_locked()
-                self._busy = Busy.CATCH_UP
                 record = self._catch_up = _CatchUp(deadline, serving=False, other=peer)
+                catching_up = self._hold_locked("CatchUp")
             context.add_callback(deadline.cancel.set)
 
             def landed(bucket) -> None:
@@ -793,53 +759,51 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             loading = False
             watch = _PeerWatch(spec.master_address, spec.master_port, deadline,
                                self.engine.abort_transfer)
-            try:
+            with catching_up:
                 try:
-                    if not set_store_key(spec.master_address, spec.master_port,
-                                         _newcomer_key(spec.group_id),
-                                         min(deadline.check("catch-up rendezvous"), 10.0)):
-                        raise CollectiveError(
-                            f"the peer's rendezvous at {spec.master_address}:"
-                            f"{spec.master_port} does not answer", reason=Reason.RENDEZVOUS_FAILED)
-                    watch.start()
-                    self.engine.init_transfer(spec, plan, deadline)
-                    digest = self.engine.stage(plan, deadline, landed)
-                    watch.stop()
-                    # The peer holds its rendezvous open until this word: until then, its going
-                    # away means it died (`_PeerWatch`), not that it finished.
-                    set_store_key(spec.master_address, spec.master_port,
-                                  _received_key(spec.group_id), 5.0)
-                except RefitError as e:
-                    err: RefitError = CollectiveError(
-                        "the peer went away (its rendezvous closed) mid-transfer",
-                        reason=Reason.COLLECTIVE_FAILED) if watch.peer_lost else e
-                    cause = "aborted" if deadline.cancel.is_set() and deadline.remaining() > 0 \
-                        and not watch.peer_lost else err.message
-                    raise type(err)(f"catch-up from peer {peer} failed after "
-                                    f"{record.bytes_received} of {plan.total_bytes} bytes: "
-                                    f"{cause}", reason=err.reason) from e
+                    try:
+                        if not set_store_key(spec.master_address, spec.master_port,
+                                             _newcomer_key(spec.group_id),
+                                             min(deadline.check("catch-up rendezvous"), 10.0)):
+                            raise CollectiveError(
+                                f"the peer's rendezvous at {spec.master_address}:"
+                                f"{spec.master_port} does not answer", reason=Reason.RENDEZVOUS_FAILED)
+                        watch.start()
+                        self.engine.init_transfer(spec, plan, deadline)
+                        digest = self.engine.stage(plan, deadline, landed)
+                        watch.stop()
+                        # The peer holds its rendezvous open until this word: until then, its going
+                        # away means it died (`_PeerWatch`), not that it finished.
+                        set_store_key(spec.master_address, spec.master_port,
+                                      _received_key(spec.group_id), 5.0)
+                    except RefitError as e:
+                        err: RefitError = CollectiveError(
+                            "the peer went away (its rendezvous closed) mid-transfer",
+                            reason=Reason.COLLECTIVE_FAILED) if watch.peer_lost else e
+                        cause = "aborted" if deadline.cancel.is_set() and deadline.remaining() > 0 \
+                            and not watch.peer_lost else err.message
+                        raise type(err)(f"catch-up from peer {peer} failed after "
+                                        f"{record.bytes_received} of {plan.total_bytes} bytes: "
+                                        f"{cause}", reason=err.reason) from e
+                    finally:
+                        watch.stop()
+                        self.engine.abort_transfer()  # the two-rank group is done either way
+                    transfer_s = time.monotonic() - t0
+                    if digest != request.staged_digest:
+                        raise FailedPreconditionError(
+                            f"catch-up from peer {peer}: staged digest {digest[:16]} != the peer "
+                            f"copy's {request.staged_digest[:16]}; nothing loaded",
+                            reason=Reason.STAGED_DIGEST_MISMATCH)
+                    loading = True
+                    # Once loading, nothing cancels it (a caller gone, an Abort): a load cut short
+                    # would leave partial weights. It has its deadline's time, and at least 10 s.
+                    load_deadline = Deadline(max(deadline.remaining(), 10.0))
+                    done = self._flip(_Staged(request.version, digest, False, None, None), mode,
+                                      stay_paused=False, deadline=load_deadline,
+                                      resume_paused=broken)
                 finally:
-                    watch.stop()
-                    self.engine.abort_transfer()  # the two-rank group is done either way
-                transfer_s = time.monotonic() - t0
-                if digest != request.staged_digest:
-                    raise FailedPreconditionError(
-                        f"catch-up from peer {peer}: staged digest {digest[:16]} != the peer "
-                        f"copy's {request.staged_digest[:16]}; nothing loaded",
-                        reason=Reason.STAGED_DIGEST_MISMATCH)
-                loading = True
-                # Once loading, nothing cancels it (a caller gone, an Abort): a load cut short
-                # would leave partial weights. It has its deadline's time, and at least 10 s.
-                load_deadline = Deadline(max(deadline.remaining(), 10.0))
-                done = self._flip(_Staged(request.version, digest, False, None, None), mode,
-                                  stay_paused=False, deadline=load_deadline,
-                                  resume_paused=broken)
-            finally:
-                if not loading:
-                    self.engine.drop_staged()
-                with self._lock:
-                    self._busy = None
-                    self._catch_up = None
+                    if not loading:
+                        self.engine.drop_staged()
             log.info("caught up to version %d from %s: %d bytes, transfer %.3fs, stall %.3fs",
                      request.version, peer, record.bytes_received, transfer_s,
                      done.stall_seconds)
@@ -851,28 +815,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                                       load_seconds=done.load_seconds,
                                       weights_digest=done.weights_digest)
 
-    def _check_instance(self, instance_id: str, what: str) -> None:
-        """A call addressed to an instance (the caller saw it in Describe) reaches only it."""
-        if instance_id and instance_id != self.config.instance_id:
-            raise FailedPreconditionError(
-                f"this shim is {self.config.instance_id!r}, the {what} was sent to "
-                f"{instance_id!r} (restarted since)", reason=Reason.MEMBERSHIP_CHANGED)
-
     def Flush(self, request, context):
         with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_control_s)
             mode = _pause_mode(request.mode, PauseMode.WAIT)
             with self._lock:
-                state = self._state_locked()
-                if state == pb.SHIM_STATE_BROKEN:
-                    raise FailedPreconditionError(
-                        "engine is BROKEN (a failed epoch left partial weights); refusing to "
-                        "resume until a full update commits", reason=Reason.BROKEN)
-                self._refuse_state("Flush", [pb.SHIM_STATE_EMPTY, pb.SHIM_STATE_PREPARED,
-                                             pb.SHIM_STATE_READY, pb.SHIM_STATE_STAGED])
-                if self._busy is Busy.EPOCH:
-                    raise FailedPreconditionError("Flush refused while an epoch runs",
-                                                  reason=Reason.BUSY)
+                self._admit_locked("Flush")
             self.engine.pause(mode, deadline)
             cleared = self.engine.reset_cache(deadline)
             with self._lock:
@@ -886,6 +834,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         """Never refused: any reason is taken, the first MAX_REASON_CHARS characters kept
         (control characters escaped) for last_error and the log."""
         with status_on_error(context):
+            with self._lock:
+                self._admit_locked("Abort")
             reason = _printable(request.reason[:MAX_REASON_CHARS])
             if len(request.reason) > MAX_REASON_CHARS:
                 reason += f"...({len(request.reason)} chars)"
@@ -945,10 +895,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self.engine.drop_staged()
         log.warning("staged version %d dropped: no Flip within its flip timeout", version)
 
-    def _check_delta_base(self, request, staged: bool) -> None:
-        """A delta epoch is staged, on an engine that applies deltas, against exactly the
-        committed copy it holds (version and staged digest): a delta applied to anything else
-        would produce other weights (invariant 11)."""
+    def _check_delta_request(self, request, staged: bool) -> None:
+        """A delta epoch is staged, on an engine that applies deltas, and names its base."""
         if not staged:
             raise InvalidArgumentError("a delta epoch is a staged one (mode EPOCH_MODE_STAGED)",
                                        reason=Reason.INVALID_DELTA)
@@ -958,6 +906,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         if not self.engine.supports_delta:
             raise FailedPreconditionError(f"the {self.engine.kind} engine cannot apply a delta; "
                                           "send a full epoch", reason=Reason.DELTA_UNSUPPORTED)
+
+    def _check_delta_base(self, request) -> None:
+        """A delta goes only onto exactly the committed copy this engine holds (version and
+        staged digest): applied to anything else it would produce other weights (invariant
+        11). Under the lock, once admitted: a restarted shim holds no copy, and its answer is
+        MEMBERSHIP_CHANGED."""
         held = self.engine.committed_copy
         if held != (request.delta_base_version, request.delta_base_digest):
             have = f"version {held[0]} ({held[1][:16]})" if held else "none"
