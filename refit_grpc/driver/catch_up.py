@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 
 from refit_grpc.common import PauseMode
-from refit_grpc.driver.epoch import WorkerLink
+from refit_grpc.driver.calls import WorkerLink
 from refit_grpc.driver.failures import FleetError, WorkerFailure, failure_from_rpc
 from refit_grpc.plan import RefitPlan
 from refit_grpc.proto import PAUSE_MODE_TO_PROTO, pb
@@ -192,6 +192,10 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
         answer = call.result()
     except grpc.RpcError as e:
         serve.cancel()
+        if peer_failure is None:
+            # The target may notice a dead peer (its sockets reset) before the peer's own
+            # stream says so, and its failure cancels that stream: ask the peer directly.
+            peer_failure = _peer_gone(peer)
         _await_serve_end(peer, timeout_s)
         mine = failure_from_rpc(target.endpoint, e)
         if peer_failure is not None:
@@ -205,6 +209,17 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
         # The target has it all and checked the digest; the peer's stream failed afterwards.
         log.warning("catch-up done, but the peer's stream ended with %s", peer_failure)
     return answer
+
+
+def _peer_gone(peer: WorkerLink) -> WorkerFailure | None:
+    """Why the peer does not answer (dead, frozen), or None when it does: one Describe, as
+    bounded as an abort."""
+    try:
+        peer.stub.Describe(pb.DescribeRequest(skip_weights_digest=True), timeout=1.0,
+                           metadata=peer.metadata)
+    except grpc.RpcError as e:
+        return failure_from_rpc(peer.endpoint, e)
+    return None
 
 
 def _await_serve_end(peer: WorkerLink, timeout_s: float) -> None:

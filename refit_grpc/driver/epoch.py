@@ -10,12 +10,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Executor
-from dataclasses import dataclass
 
 import grpc
 
 from refit_grpc.common import Deadline
-from refit_grpc.driver.endpoint import WorkerEndpoint
+from refit_grpc.driver.calls import WorkerLink
 from refit_grpc.driver.failures import (
     EpochFailedError,
     EpochRefusedError,
@@ -26,7 +25,7 @@ from refit_grpc.driver.failures import (
     failure_from_rpc,
     root_causes_first,
 )
-from refit_grpc.proto import pb, pb_grpc
+from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
 
 # (instance_id, bucket_index, bucket_count), called on the stream's thread after each bucket.
@@ -39,15 +38,6 @@ AbortFleet = Callable[[str, Sequence["WorkerLink"]], Sequence[object | None]]
 # survivor's consequence (its collective reset by the dead peer) reached the driver first.
 _SETTLE_AFTER_REFUSAL_S = 2.0
 _SETTLE_AFTER_FAILURE_S = 5.0
-
-
-@dataclass(frozen=True)
-class WorkerLink:
-    """The stub to one shim, with the metadata (bearer token) every call carries."""
-
-    endpoint: WorkerEndpoint
-    stub: pb_grpc.RefitServiceStub
-    metadata: tuple[tuple[str, str], ...]
 
 
 class StreamPhase(enum.Enum):

@@ -29,7 +29,6 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
-import tenacity
 import torch
 from torch.distributed import TCPStore
 
@@ -37,18 +36,17 @@ from refit_grpc.canary import Canary
 from refit_grpc.collective import Group, bind_master_store
 from refit_grpc.common import EpochMode, GroupSpec, PauseMode
 from refit_grpc.driver import membership, staged
+from refit_grpc.driver.calls import ShimCalls, WorkerLink
 from refit_grpc.driver.catch_up import CatchUpReport
 from refit_grpc.driver.config import FleetConfig, FleetState, FleetStateError, refuse_unless
 from refit_grpc.driver.endpoint import WorkerEndpoint
-from refit_grpc.driver.epoch import EpochHandle, ProgressCallback, WorkerLink
+from refit_grpc.driver.epoch import EpochHandle, ProgressCallback
 from refit_grpc.driver.failures import (
     CanaryMismatchError,
     EpochFailedError,
     FleetError,
-    FleetTimeoutError,
     WeightsMismatchError,
     WorkerFailure,
-    failure_from_rpc,
     odd_digests,
     root_causes_first,
 )
@@ -63,7 +61,6 @@ from refit_grpc.proto import (
     EPOCH_MODE_TO_PROTO,
     PAUSE_MODE_TO_PROTO,
     pb,
-    pb_grpc,
 )
 from refit_grpc.reasons import Reason
 
@@ -139,18 +136,11 @@ class Fleet:
         self.config = replace(config or FleetConfig(), **overrides)
         self.validate_workers = validate_workers
         self._packing = self.config.packing  # the configured one, or negotiated once
-        self._channels: list[grpc.Channel] = []
+        # Every call to a shim: channels, threads, deadlines, retries (`driver.calls`).
+        self.calls = ShimCalls(self.config)
         self._workers: list[WorkerLink] = []
         for e in self._endpoints:
             self._open_link(e)
-        # Threads start on demand, so the bounds cost nothing until used; they leave room for
-        # workers added later (`add()`).
-        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="fleet")
-        # The consumers of epoch streams, apart from `_pool` so that an epoch's streams can
-        # never hold up the unary calls (Abort) that end it. Threads start on demand and are
-        # reused by later epochs; room for a few epochs still closing next to the open one.
-        self._streams = ThreadPoolExecutor(max_workers=max(4 * len(self._workers) + 4, 256),
-                                           thread_name_prefix="epoch-stream")
         self._epochs: list[EpochHandle] = []
         self._epochs_lock = threading.Lock()
         self._closed = False
@@ -178,10 +168,7 @@ class Fleet:
     # --- NeMo RL's channel's surface ------------------------------------------------------
 
     def _open_link(self, e: WorkerEndpoint) -> None:
-        channel = self.config.security.open(e.address)
-        self._channels.append(channel)
-        self._workers.append(WorkerLink(e, pb_grpc.RefitServiceStub(channel),
-                                        self.config.security.metadata()))
+        self._workers.append(self.calls.open(e))
 
     @property
     def endpoints(self) -> tuple[WorkerEndpoint, ...]:
@@ -343,6 +330,9 @@ class Fleet:
         return membership.catch_up_async(self, instance_id, timeout_s=timeout_s,
                                          pause_mode=pause_mode)
 
+    def _current_links(self) -> list[WorkerLink]:
+        return [self._workers[i] for i in self._current()]
+
     def _member_links(self, indexes: Sequence[int] | None = None) -> list[WorkerLink]:
         return [self._workers[i] for i in (self._members if indexes is None else indexes)]
 
@@ -439,7 +429,7 @@ class Fleet:
     def _prepare_on(self, plan: RefitPlan, links: Sequence[WorkerLink]) -> None:
         """Prepare `plan` on `links` (a no-op on a shim that holds it already)."""
         request = self._prepare_request(plan)
-        answers = self._unary_all("Prepare", lambda w: request, "prepare failed", links)
+        answers = self.calls.all("Prepare", links, lambda w: request, "prepare failed")
         self._check_prepared(links, answers, plan)
 
     def _check_prepared(self, links: Sequence[WorkerLink],
@@ -498,39 +488,19 @@ class Fleet:
                 reason=Reason.INVALID_WORLD_SIZE)
         self._check_membership()
         links = self._member_links()
-        self._joined_instances = tuple(d.instance_id for d in self._unary_all(
-            "Describe", lambda w: pb.DescribeRequest(skip_weights_digest=True),
-            "describe failed", links))
+        self._joined_instances = tuple(d.instance_id for d in self.calls.all(
+            "Describe", links, lambda w: pb.DescribeRequest(skip_weights_digest=True),
+            "describe failed"))
         group_id = group_id or f"refit-{uuid.uuid4().hex[:12]}"
-        futures = []
-        # Each join holds its thread until the whole group has formed, so a pool smaller than
-        # the fleet would never send the joins past its size: one thread per join, on demand,
-        # ending with the join.
-        joins = ThreadPoolExecutor(max_workers=len(links), thread_name_prefix="join")
-        for i, w in enumerate(links):
-            request = pb.InitCollectiveRequest(
-                master_address=ip, master_port=port, world_size=world_size,
-                rank_offset=train_world_size + i * self.config.engine_world_size,
-                backend=BACKEND_FROM_NAME[self.config.backend], group_id=group_id,
-                plan_digest=plan.digest)
-            futures.append(joins.submit(self._join_one, w, request))
-        joins.shutdown(wait=False)
+        requests = [pb.InitCollectiveRequest(
+            master_address=ip, master_port=port, world_size=world_size,
+            rank_offset=train_world_size + i * self.config.engine_world_size,
+            backend=BACKEND_FROM_NAME[self.config.backend], group_id=group_id,
+            plan_digest=plan.digest) for i in range(len(links))]
+        futures = self.calls.join(links, requests)
         self._group_id = group_id
         self._group_members = tuple(self._members)
         return futures
-
-    def _join_one(self, w: WorkerLink, request) -> pb.InitCollectiveResponse:
-        last = None
-        try:
-            for msg in w.stub.InitCollective(request, timeout=self.config.join_timeout_s,
-                                             metadata=w.metadata):
-                last = msg
-        except grpc.RpcError as e:
-            f = failure_from_rpc(w.endpoint, e)
-            raise FleetError("InitCollective failed", [f], reason=f.reason) from None
-        if last is None or last.phase != pb.INIT_COLLECTIVE_PHASE_JOINED:
-            raise FleetError("InitCollective ended without JOINED", [])
-        return last
 
     def connect(self, ip: str, port: int = 0, *, train_world_size: int = 1,
                 device: torch.device | int | None = None) -> TrainerLink:
@@ -674,7 +644,7 @@ class Fleet:
                     for instance_id in joined]
         refuse_unless(self.state, (FleetState.CONNECTED,), "update_weights()")
         handle = EpochHandle(links, version, requests, self.config.epoch_timeout_s,
-                             self._abort_epoch, on_progress, streams=self._streams)
+                             self._abort_epoch, on_progress, streams=self.calls.streams)
         with self._epochs_lock:
             # Finished epochs are dropped here, so a long run keeps only the open ones.
             self._epochs = [e for e in self._epochs if not e.closed] + [handle]
@@ -864,7 +834,7 @@ class Fleet:
             FleetError: every shim that failed, together (a BROKEN shim refuses to resume).
         """
         request = pb.FlushRequest(mode=PAUSE_MODE_TO_PROTO[mode])
-        self._unary_all("Flush", lambda w: request, "flush failed", self._member_links())
+        self.calls.all("Flush", self._member_links(), lambda w: request, "flush failed")
         return True
 
     def describe(self, weights_digest: bool = True) -> list[pb.DescribeResponse]:
@@ -881,7 +851,8 @@ class Fleet:
             FleetError: every shim that failed, together (`describe_each()` does not raise).
         """
         request = pb.DescribeRequest(skip_weights_digest=not weights_digest)
-        return self._unary_all("Describe", lambda w: request, "describe failed")
+        return self.calls.all("Describe", self._current_links(), lambda w: request,
+                              "describe failed")
 
     def describe_each(self, weights_digest: bool = True) -> list[pb.DescribeResponse | WorkerFailure]:
         """Describe on every shim in parallel, for status views, where one dead shim must not hide
@@ -895,7 +866,7 @@ class Fleet:
             why there is none.
         """
         request = pb.DescribeRequest(skip_weights_digest=not weights_digest)
-        return self._unary_each("Describe", lambda w: request)
+        return self.calls.each("Describe", self._current_links(), lambda w: request)
 
     def abort(self, reason: str = "aborted by driver") -> list[pb.AbortResponse | None]:
         """Abort on every shim in parallel; best effort, never raises, never retries, and bounded
@@ -907,27 +878,14 @@ class Fleet:
         Returns:
             One entry per worker, in fleet order: its answer, or None when it did not answer.
         """
-        return self._abort_links(reason, [self._workers[i] for i in self._current()])
-
-    def _abort_links(self, reason: str, links: Sequence[WorkerLink]
-                     ) -> list[pb.AbortResponse | None]:
-        request = pb.AbortRequest(reason=reason)
-        futures = [self._pool.submit(w.stub.Abort, request, timeout=self.config.abort_timeout_s,
-                                     metadata=w.metadata) for w in links]
-        out = []
-        for f in futures:
-            try:
-                out.append(f.result())
-            except grpc.RpcError:
-                out.append(None)
-        return out
+        return self.calls.abort(reason, self._current_links())
 
     def _abort_epoch(self, reason: str, links: Sequence[WorkerLink]
                      ) -> list[pb.AbortResponse | None]:
         """An epoch gave up: the shims it aborts drop their group, so this fleet has none either
         (the next epoch needs init_collective/connect first, said before any RPC)."""
         self._drop_group()
-        return self._abort_links(reason, links)
+        return self.calls.abort(reason, links)
 
     def close(self) -> None:
         """End every open epoch (its streams cancelled, its threads joined), then the channels."""
@@ -936,13 +894,10 @@ class Fleet:
             epochs, self._epochs = self._epochs, []
         for epoch in epochs:
             epoch.close()
-        for channel in self._channels:
-            channel.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
         self._catch_up_pool.shutdown(wait=False, cancel_futures=True)
         # Every consumer has ended when its epoch closed (bounded); then only idle threads are
         # left, and waiting for them is immediate. A consumer still running is not waited for.
-        self._streams.shutdown(wait=all(e.closed for e in epochs), cancel_futures=True)
+        self.calls.close(wait_for_streams=all(e.closed for e in epochs))
 
     def __enter__(self) -> Fleet:
         return self
@@ -951,43 +906,6 @@ class Fleet:
         self.close()
 
     # --- plumbing --------------------------------------------------------------------------
-
-    def _call(self, w: WorkerLink, method: str, request):
-        """One unary call with a deadline, retried on UNAVAILABLE (exponential backoff, jitter)."""
-        retry = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(_unavailable),
-            # Long enough to outlast the channel's reconnect backoff (max 1 s): a shim that just
-            # restarted must be reached, not declared gone after a burst of instant failures.
-            wait=tenacity.wait_random_exponential(multiplier=0.1, max=2.0),
-            stop=(tenacity.stop_after_attempt(self.config.retry_attempts)
-                  | tenacity.stop_after_delay(self.config.control_timeout_s)),
-            reraise=True)
-        return retry(lambda: getattr(w.stub, method)(request, timeout=self.config.control_timeout_s,
-                                                     metadata=w.metadata))
-
-    def _unary_each(self, method: str, make_request,
-                    links: Sequence[WorkerLink] | None = None) -> list:
-        """One call per worker (of `links`, by default every worker) in parallel: each answer,
-        or the worker's failure."""
-        links = [self._workers[i] for i in self._current()] if links is None else links
-        futures = [self._pool.submit(self._call, w, method, make_request(w)) for w in links]
-        out: list = []
-        for w, f in zip(links, futures):
-            try:
-                out.append(f.result())
-            except grpc.RpcError as e:
-                out.append(failure_from_rpc(w.endpoint, e))
-        return out
-
-    def _unary_all(self, method: str, make_request, message: str,
-                   links: Sequence[WorkerLink] | None = None) -> list:
-        results = self._unary_each(method, make_request, links)
-        failures = [r for r in results if isinstance(r, WorkerFailure)]
-        if failures:
-            cls = FleetTimeoutError if all(
-                f.code == grpc.StatusCode.DEADLINE_EXCEEDED for f in failures) else FleetError
-            raise cls(f"{method}: {message}", failures, reason=failures[0].reason)
-        return results
 
     def _join_failures(self, futures: list[Future], links: Sequence[WorkerLink],
                        causes: Sequence[Future], error: RefitError,

@@ -120,11 +120,11 @@ def catch_up_async(fleet: Fleet, instance_id: str, *, timeout_s: float | None = 
     version, digest = fleet._committed
     target = fleet._workers[index]
     fleet._prepare_on(plan, [target])
-    (about,) = fleet._unary_all("Describe", lambda w: pb.DescribeRequest(
-        skip_weights_digest=True), "Describe of the worker catching up failed", [target])
+    quick = pb.DescribeRequest(skip_weights_digest=True)
+    (about,) = fleet.calls.all("Describe", [target], lambda w: quick,
+                               "Describe of the worker catching up failed")
     candidates = [i for i in fleet._members if i != index]
-    answers = fleet._unary_each("Describe", lambda w: pb.DescribeRequest(
-        skip_weights_digest=True), fleet._member_links(candidates))
+    answers = fleet.calls.each("Describe", fleet._member_links(candidates), lambda w: quick)
     peers = [fleet._workers[i] for i, a in zip(candidates, answers)
              if isinstance(a, pb.DescribeResponse)
              and (a.committed_copy_version, a.committed_copy_digest) == (version, digest)

@@ -28,7 +28,6 @@ from refit_grpc.driver.failures import (
     QuorumError,
     WorkerFailure,
     explained_by_abort,
-    failure_from_rpc,
     odd_digests,
 )
 from refit_grpc.driver.links import GlooLink, TrainerLink
@@ -208,8 +207,8 @@ def delta_base_for(fleet: Fleet, link: TrainerLink, plan: RefitPlan
     if fleet._delta_base is None or not isinstance(link, GlooLink):
         return None
     version, digest, _ = fleet._delta_base
-    answers = fleet._unary_each("Describe", lambda w: pb.DescribeRequest(
-        skip_weights_digest=True), fleet._member_links())
+    answers = fleet.calls.each("Describe", fleet._member_links(),
+                               lambda w: pb.DescribeRequest(skip_weights_digest=True))
     odd = [w.endpoint.instance_id for w, a in zip(fleet._member_links(), answers)
            if not isinstance(a, pb.DescribeResponse)
            or (a.committed_copy_version, a.committed_copy_digest) != (version, digest)]
@@ -231,8 +230,8 @@ def finish_staged(fleet: Fleet, version: int, plan: RefitPlan,
     fleet._version = max(fleet._version, version)
     mismatched = [i for i, f in behind.items() if f.reason == Reason.STAGED_DIGEST_MISMATCH]
     if mismatched:  # their copies are not what was sent: dropped now, not at the timeout
-        fleet._abort_links(f"epoch {version}: staged other bytes than the trainer sent",
-                           fleet._member_links(mismatched))
+        fleet.calls.abort(f"epoch {version}: staged other bytes than the trainer sent",
+                          fleet._member_links(mismatched))
     if len(staged) < required:
         drop_staged(fleet, version, staged)
         membership.leave_behind(fleet, behind)
@@ -261,8 +260,8 @@ def finish_staged(fleet: Fleet, version: int, plan: RefitPlan,
         fleet.check_canary(version, canary, as_committed, links)
     if verify_weights or canary is not None:
         # Held paused by the flip until every engine was checked: now all serve at once.
-        fleet._unary_all("Flush", lambda w: pb.FlushRequest(
-            mode=PAUSE_MODE_TO_PROTO[pause_mode]), "resume after the flip failed", links)
+        fleet.calls.all("Flush", links, lambda w: pb.FlushRequest(
+            mode=PAUSE_MODE_TO_PROTO[pause_mode]), "resume after the flip failed")
     return EpochReport(
         version=version, bytes=plan.total_bytes, seconds=time.monotonic() - started,
         broadcast_seconds=broadcast_s,
@@ -289,14 +288,8 @@ def after_staging_failures(fleet: Fleet, pending: Sequence[int], failures: Seque
     # good as dead for this epoch.
     request = pb.DescribeRequest(skip_weights_digest=True)
     links = fleet._member_links(failed)
-    calls = [fleet._pool.submit(w.stub.Describe, request, timeout=fleet.config.abort_timeout_s,
-                                metadata=w.metadata) for w in links]
-    answers: list[pb.DescribeResponse | WorkerFailure] = []
-    for w, call in zip(links, calls):
-        try:
-            answers.append(call.result())
-        except grpc.RpcError as e:
-            answers.append(failure_from_rpc(w.endpoint, e))
+    answers = fleet.calls.once("Describe", links, lambda w: request,
+                               fleet.config.abort_timeout_s)
     retry = []
     joined = dict(zip(fleet._group_members or (), fleet._joined_instances or ()))
     for i, answer in zip(failed, answers):
@@ -330,8 +323,9 @@ def reform(fleet: Fleet, link: TrainerLink, members: Sequence[int], *,
     if leave_behind:
         # A staged epoch goes on without the members that cannot even take the plan (dead
         # since the last epoch): they are left behind, named in its report.
-        answers = dict(zip(members, fleet._unary_each(
-            "Prepare", lambda w: fleet._prepare_request(), fleet._member_links(members))))
+        request = fleet._prepare_request()
+        answers = dict(zip(members, fleet.calls.each(
+            "Prepare", fleet._member_links(members), lambda w: request)))
         failed = {i: a for i, a in answers.items() if isinstance(a, WorkerFailure)}
         refusals = [f for f in failed.values() if f.code not in _GONE]
         if refusals:  # alive and saying no (BUSY, ...): the trainer's to decide, not ours
@@ -365,18 +359,18 @@ def flip_each(fleet: Fleet, version: int, digest: str, staged_as: Mapping[int, s
     instance that staged, so a shim restarted since cannot flip what it lost."""
     indexes = list(staged_as)
     links = fleet._member_links(indexes)
-    futures = [fleet._pool.submit(w.stub.Flip, pb.FlipRequest(
+    instance_of = {w.endpoint.instance_id: staged_as[i] for i, w in zip(indexes, links)}
+    answers = fleet.calls.once("Flip", links, lambda w: pb.FlipRequest(
         version=version, staged_digest=digest, pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
-        stay_paused=stay_paused, instance_id=staged_as[i]),
-        timeout=fleet.config.epoch_timeout_s, metadata=w.metadata)
-        for i, w in zip(indexes, links)]
+        stay_paused=stay_paused, instance_id=instance_of[w.endpoint.instance_id]),
+        fleet.config.epoch_timeout_s)
     flipped: dict[int, pb.FlipResponse] = {}
     failed: dict[int, WorkerFailure] = {}
-    for i, w, f in zip(indexes, links, futures):
-        try:
-            flipped[i] = f.result()
-        except grpc.RpcError as e:
-            failed[i] = failure_from_rpc(w.endpoint, e)
+    for i, answer in zip(indexes, answers):
+        if isinstance(answer, WorkerFailure):
+            failed[i] = answer
+        else:
+            flipped[i] = answer
     return flipped, failed
 
 
@@ -385,6 +379,6 @@ def drop_staged(fleet: Fleet, version: int, staged: Mapping[int, object]) -> Non
     flip timeout). Abort does it; it also drops their group, which this epoch already
     ended for the others."""
     if staged:
-        fleet._abort_links(f"epoch {version}: quorum not met",
-                           fleet._member_links(list(staged)))
+        fleet.calls.abort(f"epoch {version}: quorum not met",
+                          fleet._member_links(list(staged)))
     fleet._drop_group()
