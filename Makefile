@@ -115,8 +115,8 @@ bench-stall: proto vllm
 
 # Delta epochs against full ones, staged, on the reference engine: a 1 GiB bf16 decoder mix whose
 # versions change 0.1%, 1%, 10%, 100% of the elements and what one real SGD step changes; bytes
-# on the wire, epoch time, trainer CPU (docs/bench.md). 7 minutes on 2 busy cores. LINK_GBIT=1: every engine
-# in its own network namespace behind a link of that many Gbit/s each way (tc; root; ~6 minutes).
+# on the wire, epoch time, trainer CPU (docs/bench.md). 7 minutes on 2 busy cores. LINK_GBIT=1:
+# every engine in its own network namespace behind a link of that many Gbit/s each way (tc; root; ~6 minutes).
 bench-delta: proto
 	$(VENV)/bin/refit-grpc bench-delta $(if $(LINK_GBIT),--link-gbit $(LINK_GBIT)) $(BENCH_FLAGS)
 
