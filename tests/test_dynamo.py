@@ -31,7 +31,7 @@ from vllm_support import require_vllm
 require_vllm()  # the trainer's side: transformers, tokenizers (installed with vLLM)
 require_dynamo()
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 from refit_grpc import EpochFailedError, FleetError, MembershipChangedError  # noqa: E402
 from refit_grpc.common import Deadline  # noqa: E402

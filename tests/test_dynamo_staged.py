@@ -35,7 +35,7 @@ from vllm_support import require_vllm
 require_vllm()  # the trainer's side: transformers, tokenizers (installed with vLLM)
 require_dynamo()
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 from refit_grpc.common import Deadline  # noqa: E402
 from refit_grpc.driver import Fleet, WorkerEndpoint  # noqa: E402

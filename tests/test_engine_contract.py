@@ -40,7 +40,8 @@ from vllm_support.servers import ServerPool
 # The first vLLM case starts the module's server (about 40 s here, minutes on a loaded host).
 pytestmark = pytest.mark.timeout(600)
 
-ENGINES = ("reference", "vllm", "dynamo")
+ENGINES = ("reference", pytest.param("vllm", marks=pytest.mark.engine),
+           pytest.param("dynamo", marks=pytest.mark.engine))
 STEP_S = 30.0      # the deadline of a control call (pause, resume, join, ...)
 EPOCH_S = 60.0     # the deadline of a transfer that is expected to succeed
 GEN = 4            # tokens compared with the transformers forward (vLLM)

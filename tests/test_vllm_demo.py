@@ -15,6 +15,7 @@ require_vllm()
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.timeout(720)
 def test_demo_vllm_refits_two_engines_and_they_generate_like_the_trainer():
     proc = subprocess.run([sys.executable, "-m", "refit_grpc.tools.demo_vllm", "--engines", "2",

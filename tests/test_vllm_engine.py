@@ -24,7 +24,7 @@ from vllm_support.servers import module_pool
 require_vllm()
 
 # The first test starts the module's vLLM server (about a minute), the last restarts it.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
 from refit_grpc import (  # noqa: E402
     EpochFailedError,

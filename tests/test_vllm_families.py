@@ -34,7 +34,7 @@ from vllm_support.servers import Rig, module_pool
 
 require_vllm()
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
 from refit_grpc import CanaryMismatchError, FleetError  # noqa: E402
 from refit_grpc.integrations.hf import canary_from_model, checkpoint_state_dict  # noqa: E402

@@ -43,7 +43,7 @@ from vllm_support.servers import module_pool
 require_vllm()
 
 # The module's vLLM server starts with the first test (about a minute here).
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
 from refit_grpc import Fleet, WorkerEndpoint  # noqa: E402
 from refit_grpc.collective import Group, Sender  # noqa: E402

@@ -29,7 +29,7 @@ from vllm_support.servers import module_pool
 
 require_vllm()
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 from refit_grpc import EpochFailedError  # noqa: E402
 from refit_grpc.common import Deadline  # noqa: E402

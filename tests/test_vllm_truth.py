@@ -32,7 +32,7 @@ from vllm_support.servers import module_pool
 
 require_vllm()
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
 from refit_grpc import EpochFailedError  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402

@@ -18,7 +18,7 @@ from vllm_support.servers import module_pool
 
 require_vllm()
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
 from refit_grpc import Fleet, WeightsMismatchError, WorkerEndpoint  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
