@@ -45,6 +45,7 @@ from refit_grpc.errors import ERROR_DOMAIN, RefitError
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.shim.engines.reference import ReferenceEngine
+from refit_grpc.shim.fields import plan_from_request
 from refit_grpc.shim.server import ServerOptions, ShimServer
 from refit_grpc.shim.service import ShimConfig
 from refit_grpc.testing.ports import unused_port
@@ -527,7 +528,7 @@ def _would_change_state(rig: Rig, rpc: str, request) -> bool:
     if rpc != "Prepare":
         return False
     try:
-        plan = rig.server.servicer._plan_from_request(request)
+        plan = plan_from_request(request, rig.server.servicer.config.max_plan_tensors)
         plan.validate(1 << 30, 10_000)
     except RefitError:
         return False

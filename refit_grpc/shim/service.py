@@ -14,6 +14,11 @@ instance id) under one lock; the long parts (rendezvous, receive) run outside it
 `Busy` so no two of them overlap, and one release (`_hold_locked`) ends each. The invariants
 this upholds are listed, numbered, in docs/protocol.md.
 
+This module owns the state and its transitions; the rest of the shim's work lives beside it:
+`fields` (what each request field may hold, proto to plan), `receive` (an epoch's receive
+thread), `canary` (checking and scoring a canary), `catch_up` (both ends of a peer's
+rendezvous).
+
 Refinement of the design: an epoch that fails before any byte reached the engine leaves the
 weights intact, so the engine is resumed and the shim returns to PREPARED (group torn down), not
 BROKEN. That is what lets one worker's refusal abort the others without taking them offline.
@@ -22,51 +27,51 @@ BROKEN. That is what lets one worker's refusal abort the others without taking t
 from __future__ import annotations
 
 import contextlib
-import enum
 import ipaddress
 import logging
-import math
 import os
-import queue
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from refit_grpc.canary import canary_problem
-from refit_grpc.collective import bind_master_store, set_store_key
 from refit_grpc.common import (
     MAX_ENGINE_WORLD_SIZE,
-    MAX_ID_BYTES,
     MAX_REASON_CHARS,
-    MAX_TENSOR_DIMS,
-    MAX_TENSOR_NAME_BYTES,
-    MAX_VERSION,
     MAX_WORLD_SIZE,
     Deadline,
     GroupSpec,
     PauseMode,
-    clip,
-    digest_problem,
-    text_problem,
 )
 from refit_grpc.errors import (
-    CollectiveError,
     EpochAbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
-    InvalidPlanError,
-    PlanTooLargeError,
     RefitError,
-    RefitTimeoutError,
 )
-from refit_grpc.plan import DTYPES, Packing, RefitPlan, TensorSpec
-from refit_grpc.proto import BACKEND_NAMES, DTYPE_FROM_PROTO, PAUSE_MODE_FROM_PROTO, pb, pb_grpc
+from refit_grpc.plan import RefitPlan
+from refit_grpc.proto import BACKEND_NAMES, pb, pb_grpc
 from refit_grpc.reasons import Reason
+from refit_grpc.shim import catch_up
 from refit_grpc.shim.admission import ADMISSIONS, Busy, refusal
+from refit_grpc.shim.canary import check_canary, score_canary
 from refit_grpc.shim.engines.base import Engine
+from refit_grpc.shim.fields import (
+    check_digest_shape,
+    check_group_id,
+    check_instance_id,
+    check_master,
+    check_not_own_port,
+    check_version,
+    epoch_mode,
+    flip_timeout,
+    packing_pb,
+    pause_mode,
+    plan_from_request,
+    printable,
+)
+from refit_grpc.shim.receive import Epoch, EpochReceive, Received
 from refit_grpc.shim.status import status_on_error
 
 log = logging.getLogger(__name__)
@@ -90,27 +95,6 @@ class ShimConfig:
     instance_id: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
-class ReceiveEvent(enum.Enum):
-    """What the receive thread hands to the UpdateWeights stream."""
-
-    BUCKET = "bucket"  # one bucket applied (value: the Bucket)
-    DONE = "done"      # every bucket applied and committed by the engine (value: its digest)
-    ERROR = "error"    # the receive failed (value: the RefitError)
-
-
-@dataclass
-class _Epoch:
-    version: int
-    deadline: Deadline
-    verify_weights: bool = False
-    canary: pb.Canary | None = None  # computed after the commit, before COMMITTED
-    staged: bool = False  # a staged epoch: bytes land in the staging copy, never paused
-    delta: bool = False   # its buckets are deltas against the committed copy
-    flip_timeout_s: float = 0.0
-    bytes_applied: int = 0
-    abort_reason: str = ""
-
-
 @dataclass
 class _Staged:
     """A staged version waiting for its Flip: what the epoch asked for at the flip, and the
@@ -121,16 +105,6 @@ class _Staged:
     verify_weights: bool
     canary: pb.Canary | None
     expiry: threading.Timer | None  # None: a catch-up's copy, flipped at once
-
-
-@dataclass
-class _CatchUp:
-    """A catch-up this shim takes part in: its deadline (Abort cancels it) and the other end."""
-
-    deadline: Deadline
-    serving: bool  # True on the peer (ServeCatchUp), False on the engine catching up
-    other: str     # the other engine's instance id
-    bytes_received: int = 0  # the engine catching up: what landed so far
 
 
 class RefitServicer(pb_grpc.RefitServiceServicer):
@@ -145,12 +119,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._version = 0
         self._last_error = ""
         self._busy: Busy | None = None
-        self._epoch: _Epoch | None = None
+        self._epoch: Epoch | None = None
         self._last_canary: tuple[int, float] = (0, -1.0)  # (version, max_abs_gap) of the last
         self._staged: _Staged | None = None
         self._last_stall_s = 0.0
         self._join_deadline: Deadline | None = None
-        self._catch_up: _CatchUp | None = None
+        self._catch_up: catch_up.CatchUp | None = None
         self._shutting_down = False
         # The shim's own listening ports (gRPC, metrics), never a rendezvous (set by ShimServer).
         self.own_ports: frozenset[int] = frozenset()
@@ -257,7 +231,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 weight_version=self._version,
                 plan_digest=self._plan.digest if self._plan else "",
                 group_id=self._group.group_id if self._group else "",
-                packing=_packing_pb(self.engine.offered_packing),
+                packing=packing_pb(self.engine.offered_packing),
                 last_error=self._last_error,
                 weights_digest=status.weights_digest,
                 paused=status.paused,
@@ -281,7 +255,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     def Prepare(self, request, context):
         with status_on_error(context):
-            plan = self._plan_from_request(request)
+            plan = plan_from_request(request, self.config.max_plan_tensors)
             plan.validate(self.config.max_plan_bytes, self.config.max_plan_tensors)
             self.engine.check_plan(plan)
             with self._lock:
@@ -300,18 +274,18 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                      len(plan.tensors), plan.total_bytes, len(plan.buckets))
             return pb.PrepareResponse(plan_digest=plan.digest, total_bytes=plan.total_bytes,
                                       bucket_count=len(plan.buckets),
-                                      packing=_packing_pb(plan.packing))
+                                      packing=packing_pb(plan.packing))
 
     def InitCollective(self, request, context) -> Iterator:
         t0 = time.monotonic()
         with status_on_error(context):
             deadline = self._deadline(context, self.config.max_join_s)
-            _check_digest_shape(request.plan_digest, "plan_digest")
-            _check_group_id(request.group_id)
+            check_digest_shape(request.plan_digest, "plan_digest")
+            check_group_id(request.group_id)
             backend = BACKEND_NAMES.get(request.backend)
             if backend is None:
                 raise InvalidArgumentError("backend must be GLOO or NCCL", reason=Reason.INVALID_BACKEND)
-            self._check_master(request.master_address)
+            check_master(request.master_address, self._networks)
             spec = GroupSpec(request.master_address, request.master_port, request.world_size,
                              request.rank_offset, backend, request.group_id)
             spec.validate()
@@ -319,7 +293,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 raise InvalidArgumentError(
                     f"world_size {request.world_size} is over {MAX_WORLD_SIZE}",
                     reason=Reason.INVALID_WORLD_SIZE)
-            self._check_not_own_port(request.master_address, request.master_port)
+            check_not_own_port(request.master_address, request.master_port, self.own_ports)
             self.engine.check_backend(backend)
             if request.rank_offset < 1:
                 raise InvalidArgumentError("rank_offset must be >= 1: rank 0 is the trainer",
@@ -354,195 +328,133 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     def UpdateWeights(self, request, context) -> Iterator:
         t0 = time.monotonic()
         with status_on_error(context, self._record_error):
-            deadline = self._deadline(context, self.config.max_epoch_s)
-            _check_version(request.version, "version")
-            _check_digest_shape(request.plan_digest, "plan_digest")
-            _check_group_id(request.group_id, required=False)
-            _check_instance_id(request.instance_id, "instance_id")
-            if request.delta_base_version:
-                _check_version(request.delta_base_version, "delta_base_version",
-                               reason=Reason.INVALID_DELTA)
-            _check_digest_shape(request.delta_base_digest, "delta_base_digest")
-            mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
-            canary = request.canary if request.HasField("canary") else None
-            if canary is not None:
-                problem = canary_problem(canary.token_ids, canary.expected_logprobs)
-                if not problem and not all(math.isfinite(x) for x in canary.expected_logprobs):
-                    problem = "expected log-probabilities must be finite"
-                if problem:
-                    raise InvalidArgumentError(f"canary: {problem}",
-                                               reason=Reason.INVALID_CANARY)
-                if not self.engine.supports_canary:
-                    raise FailedPreconditionError(
-                        f"the {self.engine.kind} engine cannot compute a canary; open the epoch "
-                        "without one", reason=Reason.CANARY_UNSUPPORTED)
-            staged = _epoch_mode(request.mode) == pb.EPOCH_MODE_STAGED
-            flip_timeout_s = self._flip_timeout(request.flip_timeout_s) if staged else 0.0
-            if staged and not self.engine.supports_staging:
-                raise FailedPreconditionError(
-                    f"the {self.engine.kind} engine cannot stage an epoch; open it IN_PLACE",
-                    reason=Reason.STAGING_UNSUPPORTED)
-            delta = bool(request.delta_base_version or request.delta_base_digest)
-            if delta:
-                self._check_delta_request(request, staged)
+            epoch, mode = self._epoch_from_request(request, context)
             with self._lock:
                 self._admit_locked("UpdateWeights", request.instance_id)
-                if delta:
-                    self._check_delta_base(request)
-                if self._group is None:
-                    raise FailedPreconditionError("no data group: call InitCollective first",
-                                                  reason=Reason.NO_GROUP)
-                self._check_newer(request.version)
-                plan = self._check_digest(request.plan_digest)
-                if request.group_id != self._group.group_id:
-                    raise FailedPreconditionError(
-                        f"group_id {request.group_id!r} != joined {self._group.group_id!r}",
-                        reason=Reason.GROUP_MISMATCH)
-                epoch = _Epoch(request.version, deadline, request.verify_weights, canary,
-                               staged=staged, delta=delta, flip_timeout_s=flip_timeout_s)
+                plan = self._check_epoch_locked(request, epoch)
                 self._epoch = epoch
                 receiving = self._hold_locked("UpdateWeights")
             # A caller that goes away (trainer crash) cancels the receive; the deadline is the
             # watchdog that ends it even when no cancellation ever arrives.
-            context.add_callback(deadline.cancel.set)
-            committed = False
-            was_paused = self.engine.is_paused()
-            receiver: threading.Thread | None = None
-            try:
-                with receiving:  # released after the failure's clean-up: RECEIVING until then
-                    try:
-                        if not staged:  # a staged epoch never pauses: the engine serves throughout
-                            self.engine.pause(mode, deadline)
-                        # The receive runs on its own thread so a slow client reading PROGRESS can never
-                        # stall the collective; the stream just relays its events. It starts before
-                        # ACCEPTED goes out, so its first receives are already posted when the trainer,
-                        # having every ACCEPTED, starts to send: no thread start on the critical path.
-                        events: queue.Queue = queue.Queue()
-                        receiver = threading.Thread(
-                            target=self._receive, args=(plan, epoch, events), daemon=True,
-                            name=f"receive-v{request.version}")
-                        t_accept = time.monotonic()
-                        receiver.start()
-                        yield pb.UpdateWeightsResponse(phase=pb.UPDATE_WEIGHTS_PHASE_ACCEPTED,
-                                                       version=request.version,
-                                                       bucket_count=len(plan.buckets),
-                                                       seconds=t_accept - t0)
-                        while True:
-                            try:
-                                kind, value = events.get(timeout=max(deadline.remaining(), 0.0) + 5.0)
-                            except queue.Empty:
-                                raise RefitTimeoutError("receive outlived its deadline") from None
-                            if kind is ReceiveEvent.ERROR:
-                                raise value
-                            if kind is ReceiveEvent.BUCKET:
-                                if not events.empty():
-                                    # Behind the receive: only the newest bucket is news (PROGRESS is
-                                    # "applied up to here"), and COMMITTED, if it is already queued,
-                                    # says everything. One message less per bucket on a loaded host.
-                                    continue
-                                yield pb.UpdateWeightsResponse(
-                                    phase=pb.UPDATE_WEIGHTS_PHASE_PROGRESS, version=request.version,
-                                    bucket_index=value.index, bucket_count=len(plan.buckets),
-                                    bytes_received=epoch.bytes_applied,
-                                    seconds=time.monotonic() - t_accept)
-                                continue
-                            digest, canary_result = value
-                            break
-                        if staged:
-                            with self._lock:
-                                deadline.check("staged")  # an Abort that raced the last bucket wins
-                                self._hold_staged_locked(epoch, digest)
-                                committed = True
-                            log.info("staged version %d (%d bytes, %.3fs; digest %s), flip within %.0fs",
-                                     request.version, plan.total_bytes, time.monotonic() - t_accept,
-                                     digest[:12], flip_timeout_s)
-                            yield pb.UpdateWeightsResponse(
-                                phase=pb.UPDATE_WEIGHTS_PHASE_STAGED, version=request.version,
-                                bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
-                                seconds=time.monotonic() - t_accept, staged_digest=digest)
-                            return
-                        with self._lock:
-                            deadline.check("commit")  # an Abort that raced the last bucket wins
-                            self._version = request.version
-                            self._weights_intact = True
-                            self._last_error = ""
-                            if canary_result is not None:
-                                self._last_canary = (request.version, canary_result.max_abs_gap)
-                            committed = True
-                        log.info("committed version %d (%d bytes, %.3fs)", request.version,
-                                 plan.total_bytes, time.monotonic() - t_accept)
+            context.add_callback(epoch.deadline.cancel.set)
+            yield from self._run_epoch(epoch, plan, mode, receiving, t0)
+
+    def _epoch_from_request(self, request, context) -> tuple[Epoch, PauseMode]:
+        """The epoch an UpdateWeights asks for, every field and what it needs of the engine
+        (canary, staging, delta) checked; the shim's state is the admission's and
+        `_check_epoch_locked`'s."""
+        deadline = self._deadline(context, self.config.max_epoch_s)
+        check_version(request.version, "version")
+        check_digest_shape(request.plan_digest, "plan_digest")
+        check_group_id(request.group_id, required=False)
+        check_instance_id(request.instance_id, "instance_id")
+        if request.delta_base_version:
+            check_version(request.delta_base_version, "delta_base_version",
+                          reason=Reason.INVALID_DELTA)
+        check_digest_shape(request.delta_base_digest, "delta_base_digest")
+        mode = pause_mode(request.pause_mode, PauseMode.KEEP)
+        canary = request.canary if request.HasField("canary") else None
+        if canary is not None:
+            check_canary(canary, self.engine)
+        staged = epoch_mode(request.mode) == pb.EPOCH_MODE_STAGED
+        flip_timeout_s = flip_timeout(request.flip_timeout_s, self.config.default_flip_timeout_s,
+                                      self.config.max_flip_timeout_s) if staged else 0.0
+        if staged and not self.engine.supports_staging:
+            raise FailedPreconditionError(
+                f"the {self.engine.kind} engine cannot stage an epoch; open it IN_PLACE",
+                reason=Reason.STAGING_UNSUPPORTED)
+        delta = bool(request.delta_base_version or request.delta_base_digest)
+        if delta:
+            self._check_delta_request(request, staged)
+        return Epoch(request.version, deadline, request.verify_weights, canary, staged=staged,
+                     delta=delta, flip_timeout_s=flip_timeout_s), mode
+
+    def _check_epoch_locked(self, request, epoch: Epoch) -> RefitPlan:
+        """What an admitted epoch needs of this shim: its delta base, the joined group, a newer
+        version, the prepared plan (returned)."""
+        if epoch.delta:
+            self._check_delta_base(request)
+        if self._group is None:
+            raise FailedPreconditionError("no data group: call InitCollective first",
+                                          reason=Reason.NO_GROUP)
+        self._check_newer(request.version)
+        plan = self._check_digest(request.plan_digest)
+        if request.group_id != self._group.group_id:
+            raise FailedPreconditionError(
+                f"group_id {request.group_id!r} != joined {self._group.group_id!r}",
+                reason=Reason.GROUP_MISMATCH)
+        return plan
+
+    def _run_epoch(self, epoch: Epoch, plan: RefitPlan, mode: PauseMode,
+                   receiving: contextlib.AbstractContextManager[None],
+                   t0: float) -> Iterator[pb.UpdateWeightsResponse]:
+        """Pause (in place only), receive, then commit or hold the staged version; a failure
+        is `_fail_epoch`'s, while the shim is still RECEIVING (or STAGING)."""
+        committed = False
+        was_paused = self.engine.is_paused()
+        receive = EpochReceive(self.engine, plan, epoch)
+        try:
+            with receiving:
+                try:
+                    if not epoch.staged:  # a staged epoch never pauses: the engine serves
+                        self.engine.pause(mode, epoch.deadline)
+                    t_accept = time.monotonic()
+                    receive.start()
+                    yield pb.UpdateWeightsResponse(phase=pb.UPDATE_WEIGHTS_PHASE_ACCEPTED,
+                                                   version=epoch.version,
+                                                   bucket_count=len(plan.buckets),
+                                                   seconds=t_accept - t0)
+                    for bucket in receive.buckets():
                         yield pb.UpdateWeightsResponse(
-                            phase=pb.UPDATE_WEIGHTS_PHASE_COMMITTED, version=request.version,
-                            bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
-                            seconds=time.monotonic() - t_accept, weights_digest=digest,
-                            canary=canary_result)
-                    finally:
-                        if not committed:
-                            deadline.cancel.set()
-                            self.engine.abort_transfer()
-                            if receiver is not None:
-                                # Closing the group fails the pending receive at once; the
-                                # bound is a guard.
-                                receiver.join(timeout=10.0)
-                            self._fail_epoch(epoch, was_paused)
-            finally:
-                if not committed:
-                    log.warning("epoch %d failed after %d bytes; state now %s", epoch.version,
-                                epoch.bytes_applied, pb.ShimState.Name(self.state()))
+                            phase=pb.UPDATE_WEIGHTS_PHASE_PROGRESS, version=epoch.version,
+                            bucket_index=bucket.index, bucket_count=len(plan.buckets),
+                            bytes_received=epoch.bytes_applied,
+                            seconds=time.monotonic() - t_accept)
+                    assert receive.result is not None
+                    last = self._end_epoch(epoch, plan, receive.result, t_accept)
+                    committed = True
+                    yield last
+                finally:
+                    if not committed:
+                        epoch.deadline.cancel.set()
+                        self.engine.abort_transfer()
+                        receive.join()
+                        self._fail_epoch(epoch, was_paused)
+        finally:
+            if not committed:
+                log.warning("epoch %d failed after %d bytes; state now %s", epoch.version,
+                            epoch.bytes_applied, pb.ShimState.Name(self.state()))
 
-    def _receive(self, plan: RefitPlan, epoch: _Epoch, events: queue.Queue) -> None:
-        def on_bucket(bucket) -> None:
-            epoch.bytes_applied += bucket.nbytes
-            events.put((ReceiveEvent.BUCKET, bucket))
-
-        try:
-            if epoch.staged:
-                staged_digest = self.engine.stage(plan, epoch.deadline, on_bucket,
-                                                  delta=epoch.delta)
-                events.put((ReceiveEvent.DONE, (staged_digest, None)))
-                return
-            self.engine.receive(plan, epoch.deadline, on_bucket)
-            digest = self.engine.finish(epoch.version, epoch.deadline)
-            if epoch.verify_weights and not digest:
-                digest = self.engine.weights_digest(epoch.deadline)
-            canary = self._run_canary(epoch.canary, epoch.deadline) if epoch.canary else None
-            events.put((ReceiveEvent.DONE, (digest, canary)))
-        except BaseException as e:  # relayed to the handler thread, which owns the status
-            if epoch.deadline.cancel.is_set() and epoch.deadline.remaining() > 0:
-                # Whatever the teardown made the receive trip over, the cause is the abort.
-                why = f"Abort: {epoch.abort_reason}" if epoch.abort_reason else str(e)
-                e = EpochAbortedError(f"epoch {epoch.version} aborted ({why})",
-                                      reason=Reason.EPOCH_ABORTED)
-            elif not isinstance(e, RefitError):
-                log.exception("receive failed")
-                e = EpochAbortedError(f"receive failed: {type(e).__name__}: {e}",
-                                      reason=Reason.RECEIVE_FAILED)
-            events.put((ReceiveEvent.ERROR, e))
-
-    def _run_canary(self, canary: pb.Canary, deadline: Deadline) -> pb.CanaryResult:
-        """The engine's log-probabilities of the canary, with the weights just committed and
-        before it serves again. A failure to compute them is reported, not raised: the weights
-        are whole and committed; the driver decides (it names the engine and keeps the fleet
-        paused)."""
-        t0 = time.monotonic()
-        try:
-            logprobs = self.engine.canary_logprobs(list(canary.token_ids), deadline)
-        except Exception as e:  # noqa: BLE001  (any engine failure is the canary's result)
-            log.warning("canary failed: %s", e)
-            return pb.CanaryResult(max_abs_gap=-1.0, seconds=time.monotonic() - t0,
-                                   error=f"{type(e).__name__}: {e}")
-        gap = -1.0
-        expected = canary.expected_logprobs
-        if expected:
-            if len(logprobs) != len(expected):
-                return pb.CanaryResult(max_abs_gap=-1.0, seconds=time.monotonic() - t0,
-                                       error=f"engine computed {len(logprobs)} positions, "
-                                             f"expected {len(expected)}")
-            gap = max(abs(a - b) for a, b in zip(logprobs, expected))
-        seconds = time.monotonic() - t0
-        log.info("canary: %d positions in %.3fs, max gap %s", len(logprobs), seconds,
-                 f"{gap:.2e}" if gap >= 0 else "(no expectation)")
-        return pb.CanaryResult(logprobs=logprobs, max_abs_gap=gap, seconds=seconds)
+    def _end_epoch(self, epoch: Epoch, plan: RefitPlan, received: Received,
+                   t_accept: float) -> pb.UpdateWeightsResponse:
+        """A receive that ended well: hold the staged version for its Flip (STAGED), or commit
+        the version (COMMITTED). An Abort that raced the last bucket wins."""
+        if epoch.staged:
+            with self._lock:
+                epoch.deadline.check("staged")
+                self._hold_staged_locked(epoch, received.digest)
+            seconds = time.monotonic() - t_accept
+            log.info("staged version %d (%d bytes, %.3fs; digest %s), flip within %.0fs",
+                     epoch.version, plan.total_bytes, seconds, received.digest[:12],
+                     epoch.flip_timeout_s)
+            return pb.UpdateWeightsResponse(
+                phase=pb.UPDATE_WEIGHTS_PHASE_STAGED, version=epoch.version,
+                bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
+                seconds=seconds, staged_digest=received.digest)
+        with self._lock:
+            epoch.deadline.check("commit")
+            self._version = epoch.version
+            self._weights_intact = True
+            self._last_error = ""
+            if received.canary is not None:
+                self._last_canary = (epoch.version, received.canary.max_abs_gap)
+        seconds = time.monotonic() - t_accept
+        log.info("committed version %d (%d bytes, %.3fs)", epoch.version, plan.total_bytes,
+                 seconds)
+        return pb.UpdateWeightsResponse(
+            phase=pb.UPDATE_WEIGHTS_PHASE_COMMITTED, version=epoch.version,
+            bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
+            seconds=seconds, weights_digest=received.digest, canary=received.canary)
 
     def Flip(self, request, context):
         """Switch a STAGED engine to its staged version: pause, load the staged copy, (canary,)
@@ -550,10 +462,10 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         one drops the copy: those bytes are not what the trainer sent."""
         with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_epoch_s)
-            _check_version(request.version, "version")
-            _check_digest_shape(request.staged_digest, "staged_digest")
-            _check_instance_id(request.instance_id, "instance_id")
-            mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
+            check_version(request.version, "version")
+            check_digest_shape(request.staged_digest, "staged_digest")
+            check_instance_id(request.instance_id, "instance_id")
+            mode = pause_mode(request.pause_mode, PauseMode.KEEP)
             dropped = None
             with self._lock:
                 self._admit_locked("Flip", request.instance_id)
@@ -615,7 +527,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 raise
             raise EpochAbortedError(f"flip of version {staged.version} failed: "
                                     f"{type(e).__name__}: {e}", reason=Reason.FLIP_FAILED) from e
-        canary_result = self._run_canary(staged.canary, deadline) if staged.canary else None
+        canary_result = score_canary(self.engine, staged.canary, deadline) \
+            if staged.canary else None
         with self._lock:
             self._version = staged.version
             self._weights_intact = True
@@ -644,32 +557,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         t0 = time.monotonic()
         with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_epoch_s)
-            _check_instance_id(request.instance_id, "instance_id")
-            _check_instance_id(request.target_instance_id, "target_instance_id")
-            _check_digest_shape(request.staged_digest, "staged_digest")
-            _check_digest_shape(request.plan_digest, "plan_digest")
-            if request.version < 1 or not request.staged_digest or not request.group_id:
-                raise InvalidArgumentError("ServeCatchUp needs version >= 1, the committed "
-                                           "copy's staged digest and a group id",
-                                           reason=Reason.INVALID_CATCH_UP)
-            _check_version(request.version, "version")
-            _check_group_id(request.group_id)
-            if not request.listen_address:
-                raise InvalidArgumentError("ServeCatchUp needs the listen_address the newcomer "
-                                           "reaches this engine at",
-                                           reason=Reason.INVALID_CATCH_UP)
-            self._check_master(request.listen_address)
-            world = request.world_size or 2
-            if not 2 <= world <= 1 + MAX_ENGINE_WORLD_SIZE:
-                raise InvalidArgumentError(
-                    f"world_size must be 1 + the newcomer's engine ranks (2 to "
-                    f"{1 + MAX_ENGINE_WORLD_SIZE}; 0 means 2), got {world}",
-                    reason=Reason.INVALID_WORLD_SIZE)
-            if not self.engine.supports_serving_copy:
-                raise FailedPreconditionError(
-                    f"the {self.engine.kind} engine cannot serve its committed copy; catch the "
-                    "engine up from another peer or by the next epoch",
-                    reason=Reason.CATCH_UP_UNSUPPORTED)
+            world = self._check_serve_request(request)
             target = request.target_instance_id or "an engine catching up"
             with self._lock:
                 self._admit_locked("ServeCatchUp", request.instance_id)
@@ -681,37 +569,53 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                         f"asked to serve version {request.version} "
                         f"({request.staged_digest[:16]}); this engine's committed copy: {have}",
                         reason=Reason.PEER_COPY_MISMATCH)
-                self._catch_up = _CatchUp(deadline, serving=True, other=target)
+                self._catch_up = catch_up.CatchUp(deadline, serving=True, other=target)
                 serving = self._hold_locked("ServeCatchUp")
             context.add_callback(deadline.cancel.set)  # the driver going away ends the serve
             with serving:
-                store = bind_master_store(request.listen_address, 0, world,
-                                          deadline.check("catch-up rendezvous"))
-                spec = GroupSpec(request.listen_address, store.port, world, 0, "gloo",
-                                 request.group_id)
+                server = catch_up.CopyServer(self.engine, request.listen_address, world,
+                                             request.group_id, deadline)
                 log.info("serving version %d to %s: rendezvous at %s:%d", request.version,
-                         target, request.listen_address, store.port)
+                         target, request.listen_address, server.port)
                 yield pb.ServeCatchUpResponse(phase=pb.SERVE_CATCH_UP_PHASE_LISTENING,
-                                              master_port=store.port,
+                                              master_port=server.port,
                                               seconds=time.monotonic() - t0)
-                # Wait for the newcomer's word before forming the group: gloo's own wait for
-                # the other ranks cannot be cancelled, and a newcomer that refused or died must
-                # not hold this engine busy until the deadline.
-                key = _newcomer_key(request.group_id)
-                while not _store_has(store, key):
-                    time.sleep(min(0.02, deadline.check("waiting for the newcomer")))
-                self.engine.serve_copy(spec, store, deadline)
-                # Kept open until the newcomer has it all: its watch reads this rendezvous
-                # closing as this engine's death.
-                key = _received_key(request.group_id)
-                while not _store_has(store, key):
-                    time.sleep(min(0.02, deadline.check("waiting for the newcomer's receipt")))
-                del store
+                server.serve()
+                del server  # closes the rendezvous: the newcomer has every byte
                 log.info("served version %d to %s: %d bytes, %.3fs", request.version, target,
                          plan.total_bytes, time.monotonic() - t0)
                 yield pb.ServeCatchUpResponse(phase=pb.SERVE_CATCH_UP_PHASE_SENT,
                                               bytes_sent=plan.total_bytes,
                                               seconds=time.monotonic() - t0)
+
+    def _check_serve_request(self, request) -> int:
+        """ServeCatchUp's fields, and an engine that can serve its copy; the group's world."""
+        check_instance_id(request.instance_id, "instance_id")
+        check_instance_id(request.target_instance_id, "target_instance_id")
+        check_digest_shape(request.staged_digest, "staged_digest")
+        check_digest_shape(request.plan_digest, "plan_digest")
+        if request.version < 1 or not request.staged_digest or not request.group_id:
+            raise InvalidArgumentError("ServeCatchUp needs version >= 1, the committed copy's "
+                                       "staged digest and a group id",
+                                       reason=Reason.INVALID_CATCH_UP)
+        check_version(request.version, "version")
+        check_group_id(request.group_id)
+        if not request.listen_address:
+            raise InvalidArgumentError("ServeCatchUp needs the listen_address the newcomer "
+                                       "reaches this engine at", reason=Reason.INVALID_CATCH_UP)
+        check_master(request.listen_address, self._networks)
+        world = request.world_size or 2
+        if not 2 <= world <= 1 + MAX_ENGINE_WORLD_SIZE:
+            raise InvalidArgumentError(
+                f"world_size must be 1 + the newcomer's engine ranks (2 to "
+                f"{1 + MAX_ENGINE_WORLD_SIZE}; 0 means 2), got {world}",
+                reason=Reason.INVALID_WORLD_SIZE)
+        if not self.engine.supports_serving_copy:
+            raise FailedPreconditionError(
+                f"the {self.engine.kind} engine cannot serve its committed copy; catch the "
+                "engine up from another peer or by the next epoch",
+                reason=Reason.CATCH_UP_UNSUPPORTED)
+        return world
 
     def CatchUp(self, request, context):
         """Receive a peer's committed copy into the staging copy (the peer's group, not the
@@ -721,26 +625,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         t0 = time.monotonic()
         with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_epoch_s)
-            _check_instance_id(request.instance_id, "instance_id")
-            _check_instance_id(request.peer_instance_id, "peer_instance_id")
-            _check_digest_shape(request.staged_digest, "staged_digest")
-            _check_digest_shape(request.plan_digest, "plan_digest")
-            mode = _pause_mode(request.pause_mode, PauseMode.KEEP)
-            if request.version < 1 or not request.staged_digest or not request.group_id:
-                raise InvalidArgumentError("CatchUp needs version >= 1, the peer copy's staged "
-                                           "digest and a group id", reason=Reason.INVALID_CATCH_UP)
-            _check_version(request.version, "version")
-            _check_group_id(request.group_id)
-            self._check_master(request.master_address)
-            spec = GroupSpec(request.master_address, request.master_port,
-                             1 + self.engine.world_size, 1, "gloo", request.group_id)
-            spec.validate()
-            self._check_not_own_port(request.master_address, request.master_port)
-            if not self.engine.supports_staging:
-                raise FailedPreconditionError(
-                    f"the {self.engine.kind} engine cannot stage, so it cannot catch up from a "
-                    "peer; the next epoch brings it to the fleet's version",
-                    reason=Reason.CATCH_UP_UNSUPPORTED)
+            spec, mode = self._catch_up_group(request)
             peer = request.peer_instance_id or f"{request.master_address}:{request.master_port}"
             with self._lock:
                 self._admit_locked("CatchUp", request.instance_id)
@@ -749,54 +634,23 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 broken = not self._weights_intact
                 # The fleet forms its group again with this engine once it caught up.
                 self._drop_group_locked()
-                record = self._catch_up = _CatchUp(deadline, serving=False, other=peer)
+                record = self._catch_up = catch_up.CatchUp(deadline, serving=False, other=peer)
                 catching_up = self._hold_locked("CatchUp")
             context.add_callback(deadline.cancel.set)
-
-            def landed(bucket) -> None:
-                record.bytes_received += bucket.nbytes
-
             loading = False
-            watch = _PeerWatch(spec.master_address, spec.master_port, deadline,
-                               self.engine.abort_transfer)
             with catching_up:
                 try:
-                    try:
-                        if not set_store_key(spec.master_address, spec.master_port,
-                                             _newcomer_key(spec.group_id),
-                                             min(deadline.check("catch-up rendezvous"), 10.0)):
-                            raise CollectiveError(
-                                f"the peer's rendezvous at {spec.master_address}:"
-                                f"{spec.master_port} does not answer", reason=Reason.RENDEZVOUS_FAILED)
-                        watch.start()
-                        self.engine.init_transfer(spec, plan, deadline)
-                        digest = self.engine.stage(plan, deadline, landed)
-                        watch.stop()
-                        # The peer holds its rendezvous open until this word: until then, its going
-                        # away means it died (`_PeerWatch`), not that it finished.
-                        set_store_key(spec.master_address, spec.master_port,
-                                      _received_key(spec.group_id), 5.0)
-                    except RefitError as e:
-                        err: RefitError = CollectiveError(
-                            "the peer went away (its rendezvous closed) mid-transfer",
-                            reason=Reason.COLLECTIVE_FAILED) if watch.peer_lost else e
-                        cause = "aborted" if deadline.cancel.is_set() and deadline.remaining() > 0 \
-                            and not watch.peer_lost else err.message
-                        raise type(err)(f"catch-up from peer {peer} failed after "
-                                        f"{record.bytes_received} of {plan.total_bytes} bytes: "
-                                        f"{cause}", reason=err.reason) from e
-                    finally:
-                        watch.stop()
-                        self.engine.abort_transfer()  # the two-rank group is done either way
+                    digest = catch_up.fetch_copy(self.engine, spec, plan, record, peer)
                     transfer_s = time.monotonic() - t0
                     if digest != request.staged_digest:
                         raise FailedPreconditionError(
-                            f"catch-up from peer {peer}: staged digest {digest[:16]} != the peer "
-                            f"copy's {request.staged_digest[:16]}; nothing loaded",
+                            f"catch-up from peer {peer}: staged digest {digest[:16]} != the "
+                            f"peer copy's {request.staged_digest[:16]}; nothing loaded",
                             reason=Reason.STAGED_DIGEST_MISMATCH)
                     loading = True
-                    # Once loading, nothing cancels it (a caller gone, an Abort): a load cut short
-                    # would leave partial weights. It has its deadline's time, and at least 10 s.
+                    # Once loading, nothing cancels it (a caller gone, an Abort): a load cut
+                    # short would leave partial weights. It has its deadline's time, and at
+                    # least 10 s.
                     load_deadline = Deadline(max(deadline.remaining(), 10.0))
                     done = self._flip(_Staged(request.version, digest, False, None, None), mode,
                                       stay_paused=False, deadline=load_deadline,
@@ -815,10 +669,35 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                                       load_seconds=done.load_seconds,
                                       weights_digest=done.weights_digest)
 
+    def _catch_up_group(self, request) -> tuple[GroupSpec, PauseMode]:
+        """CatchUp's fields, and an engine that can stage; the two-rank group it joins and the
+        pause mode of its load."""
+        check_instance_id(request.instance_id, "instance_id")
+        check_instance_id(request.peer_instance_id, "peer_instance_id")
+        check_digest_shape(request.staged_digest, "staged_digest")
+        check_digest_shape(request.plan_digest, "plan_digest")
+        mode = pause_mode(request.pause_mode, PauseMode.KEEP)
+        if request.version < 1 or not request.staged_digest or not request.group_id:
+            raise InvalidArgumentError("CatchUp needs version >= 1, the peer copy's staged "
+                                       "digest and a group id", reason=Reason.INVALID_CATCH_UP)
+        check_version(request.version, "version")
+        check_group_id(request.group_id)
+        check_master(request.master_address, self._networks)
+        spec = GroupSpec(request.master_address, request.master_port,
+                         1 + self.engine.world_size, 1, "gloo", request.group_id)
+        spec.validate()
+        check_not_own_port(request.master_address, request.master_port, self.own_ports)
+        if not self.engine.supports_staging:
+            raise FailedPreconditionError(
+                f"the {self.engine.kind} engine cannot stage, so it cannot catch up from a "
+                "peer; the next epoch brings it to the fleet's version",
+                reason=Reason.CATCH_UP_UNSUPPORTED)
+        return spec, mode
+
     def Flush(self, request, context):
         with status_on_error(context, self._record_error):
             deadline = self._deadline(context, self.config.max_control_s)
-            mode = _pause_mode(request.mode, PauseMode.WAIT)
+            mode = pause_mode(request.mode, PauseMode.WAIT)
             with self._lock:
                 self._admit_locked("Flush")
             self.engine.pause(mode, deadline)
@@ -836,7 +715,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         with status_on_error(context):
             with self._lock:
                 self._admit_locked("Abort")
-            reason = _printable(request.reason[:MAX_REASON_CHARS])
+            reason = printable(request.reason[:MAX_REASON_CHARS])
             if len(request.reason) > MAX_REASON_CHARS:
                 reason += f"...({len(request.reason)} chars)"
             epoch = self._abort(reason or "Abort called")
@@ -847,7 +726,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 time.sleep(0.01)
             return pb.AbortResponse(state=self.state(), epoch_aborted=epoch is not None)
 
-    def _abort(self, reason: str) -> _Epoch | None:
+    def _abort(self, reason: str) -> Epoch | None:
         with self._lock:
             epoch = self._epoch
             if epoch is not None:
@@ -869,7 +748,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _hold_staged_locked(self, epoch: _Epoch, digest: str) -> None:
+    def _hold_staged_locked(self, epoch: Epoch, digest: str) -> None:
         """Keep a staged version for its Flip, for at most its flip timeout."""
         expiry = threading.Timer(epoch.flip_timeout_s, self._expire_staged,
                                  args=(epoch.version,))
@@ -920,15 +799,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 f"({request.delta_base_digest[:16]}) is not this engine's committed copy: "
                 f"{have}; send a full epoch", reason=Reason.DELTA_BASE_MISMATCH)
 
-    def _flip_timeout(self, requested: float) -> float:
-        if requested < 0 or requested != requested or requested == float("inf"):
-            raise InvalidArgumentError(f"flip_timeout_s must be >= 0 and finite, got {requested}",
-                                       reason=Reason.INVALID_FLIP_TIMEOUT)
-        if requested == 0:
-            return self.config.default_flip_timeout_s
-        return min(requested, self.config.max_flip_timeout_s)
-
-    def _fail_epoch(self, epoch: _Epoch, was_paused: bool) -> None:
+    def _fail_epoch(self, epoch: Epoch, was_paused: bool) -> None:
         self.engine.abort_transfer()
         if epoch.staged:
             # Only the staging copy was written: the live weights are the old version, whole,
@@ -973,183 +844,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 reason=Reason.PLAN_DIGEST_MISMATCH)
         return self._plan
 
-    def _check_master(self, address: str) -> None:
-        """A peer's or a trainer's rendezvous address (or where this shim listens for one): an
-        IP literal (no host name, no zone), unicast, within the allowed networks."""
-        try:
-            if "%" in address:
-                raise ValueError("a scoped address")
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            raise InvalidArgumentError(f"master_address {clip(address)!r} is not an IP address",
-                                       reason=Reason.INVALID_MASTER_ADDRESS) from None
-        if ip.is_unspecified or ip.is_multicast or \
-                (isinstance(ip, ipaddress.IPv4Address) and ip == ipaddress.IPv4Address(
-                    "255.255.255.255")):
-            raise InvalidArgumentError(
-                f"master_address {address} is not a unicast address (unspecified, multicast "
-                "or broadcast)", reason=Reason.INVALID_MASTER_ADDRESS)
-        if not any(ip in net for net in self._networks):
-            raise FailedPreconditionError(
-                f"master_address {address} is outside the allowed networks "
-                f"{[str(n) for n in self._networks]}", reason=Reason.MASTER_NOT_ALLOWED)
-
-    def _check_not_own_port(self, address: str, port: int) -> None:
-        """A rendezvous on this host is never at one of the shim's own ports (gRPC, metrics):
-        the store client would talk to the shim's own server."""
-        if port in self.own_ports and ipaddress.ip_address(address).is_loopback:
-            raise InvalidArgumentError(
-                f"master_port {port} is this shim's own gRPC or metrics port, not a rendezvous",
-                reason=Reason.INVALID_MASTER_PORT)
-
     def _drop_group_locked(self) -> None:
         if self._group is not None:
             self._group = None
             self.engine.abort_transfer()
-
-    def _plan_from_request(self, request) -> RefitPlan:
-        if len(request.tensors) > self.config.max_plan_tensors:
-            raise PlanTooLargeError(f"plan has {len(request.tensors)} tensors, limit "
-                                    f"{self.config.max_plan_tensors}")
-        specs = []
-        for i, t in enumerate(request.tensors):
-            problem = text_problem(t.name, MAX_TENSOR_NAME_BYTES) if t.name else None
-            if problem:
-                raise InvalidPlanError(f"tensor {i}: name {clip(t.name)!r} {problem}",
-                                       reason=Reason.INVALID_NAME)
-            if len(t.shape) > MAX_TENSOR_DIMS:
-                raise InvalidPlanError(f"tensor {i} ({clip(t.name)!r}): {len(t.shape)} "
-                                       f"dimensions, over {MAX_TENSOR_DIMS}",
-                                       reason=Reason.INVALID_SHAPE)
-            dtype = DTYPE_FROM_PROTO.get(t.dtype)
-            if dtype is None:
-                raise InvalidPlanError(
-                    f"tensor {i} ({clip(t.name)!r}): dtype {t.dtype} is not one of "
-                    f"{sorted(DTYPES)}", reason=Reason.UNSUPPORTED_DTYPE)
-            specs.append(TensorSpec(t.name, tuple(t.shape), dtype))
-        if request.HasField("packing"):
-            packing = Packing(request.packing.buffer_size_bytes, request.packing.num_buffers)
-        else:
-            packing = Packing()
-        return RefitPlan(tuple(specs), packing)
-
-
-def _newcomer_key(group_id: str) -> str:
-    """The key an engine catching up sets in its peer's rendezvous store once it is about to
-    join: the peer forms the group only then (ServeCatchUp)."""
-    return f"refit_grpc/catch-up/{group_id}/newcomer"
-
-
-def _received_key(group_id: str) -> str:
-    """The key an engine catching up sets once every byte landed: the peer closes its
-    rendezvous (and ends ServeCatchUp with SENT) only then."""
-    return f"refit_grpc/catch-up/{group_id}/received"
-
-
-def _store_has(store, key: str) -> bool:
-    """Whether the rendezvous store holds `key`; a store that fails (its server dropped the
-    connection) is a failed rendezvous, not an unknown error."""
-    try:
-        return bool(store.check([key]))
-    except Exception as e:  # noqa: BLE001  (torch raises DistNetworkError, RuntimeError, ...)
-        raise CollectiveError(f"the catch-up rendezvous store failed: {type(e).__name__}: "
-                              f"{str(e)[:200]}", reason=Reason.RENDEZVOUS_FAILED) from e
-
-
-class _PeerWatch:
-    """Watches a catch-up's peer while its bytes come: gloo does not fail a pending receive
-    when the sending process dies (measured: the receive waits out its deadline), but the
-    peer's rendezvous listener, which it keeps open until the newcomer confirms receipt, is
-    gone at once. A refused connection there cancels the catch-up and closes its group."""
-
-    def __init__(self, host: str, port: int, deadline: Deadline, close_group) -> None:
-        self._address = (host, port)
-        self._deadline = deadline
-        self._close_group = close_group
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="catch-up-watch")
-        self.peer_lost = False
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.1):
-            try:
-                socket.create_connection(self._address, timeout=1.0).close()
-            except OSError:
-                if self._stop.is_set():
-                    return
-                log.warning("catch-up: the peer's rendezvous at %s:%d is gone", *self._address)
-                self.peer_lost = True
-                self._deadline.cancel.set()
-                self._close_group()
-                return
-
-
-def _check_version(value: int, field: str, reason: Reason = Reason.INVALID_VERSION) -> None:
-    """A version is 1 .. MAX_VERSION (a 0 that means "none" is the caller's to allow)."""
-    if not 1 <= value <= MAX_VERSION:
-        raise InvalidArgumentError(f"{field} must be 1 to {MAX_VERSION}, got {value}",
-                                   reason=reason)
-
-
-def _check_digest_shape(value: str, field: str) -> None:
-    problem = digest_problem(value)
-    if problem:
-        raise InvalidArgumentError(f"{field} {clip(value, 16)!r} {problem}",
-                                   reason=Reason.INVALID_DIGEST)
-
-
-def _check_group_id(value: str, *, required: bool = True) -> None:
-    """A group id: non-empty (where required), at most MAX_ID_BYTES, printable: it becomes part
-    of the rendezvous store's keys and of log lines."""
-    if not value:
-        if required:
-            raise InvalidArgumentError("group_id is empty", reason=Reason.INVALID_GROUP_ID)
-        return
-    problem = text_problem(value, MAX_ID_BYTES)
-    if problem:
-        raise InvalidArgumentError(f"group_id {clip(value)!r} {problem}",
-                                   reason=Reason.INVALID_GROUP_ID)
-
-
-def _check_instance_id(value: str, field: str) -> None:
-    """An instance id (optional everywhere): at most MAX_ID_BYTES, printable."""
-    problem = text_problem(value, MAX_ID_BYTES) if value else None
-    if problem:
-        raise InvalidArgumentError(f"{field} {clip(value)!r} {problem}",
-                                   reason=Reason.INVALID_INSTANCE_ID)
-
-
-def _printable(text: str) -> str:
-    """`text` with control and other unprintable characters escaped, for logs."""
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-
-
-def _pause_mode(value: int, default: PauseMode) -> PauseMode:
-    if value == pb.PAUSE_MODE_UNSPECIFIED:
-        return default
-    if value not in PAUSE_MODE_FROM_PROTO:
-        raise InvalidArgumentError(f"unknown pause mode {value}", reason=Reason.INVALID_PAUSE_MODE)
-    return PAUSE_MODE_FROM_PROTO[value]
-
-
-def _epoch_mode(value: int) -> int:
-    if value == pb.EPOCH_MODE_UNSPECIFIED:
-        return pb.EPOCH_MODE_IN_PLACE
-    if value not in (pb.EPOCH_MODE_IN_PLACE, pb.EPOCH_MODE_STAGED):
-        raise InvalidArgumentError(f"unknown epoch mode {value}", reason=Reason.INVALID_EPOCH_MODE)
-    return value
-
-
-def _packing_pb(p: Packing):
-    return pb.Packing(buffer_size_bytes=p.buffer_size_bytes, num_buffers=p.num_buffers)
-
 
 __all__ = ["Busy", "RefitServicer", "ShimConfig"]

@@ -1,0 +1,133 @@
+"""One UpdateWeights epoch's receive, on a thread of its own, and what it tells the stream.
+
+The receive runs on its own thread so a slow client reading PROGRESS can never stall the
+collective; the stream only relays its events. It starts before ACCEPTED goes out, so its first
+receives are already posted when the trainer, having every ACCEPTED, starts to send: no thread
+start on the critical path. The servicer owns the state: it opens the epoch, and commits it or
+fails it when the receive ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from refit_grpc.common import Deadline
+from refit_grpc.errors import EpochAbortedError, RefitError, RefitTimeoutError
+from refit_grpc.plan import Bucket, RefitPlan
+from refit_grpc.proto import pb
+from refit_grpc.reasons import Reason
+from refit_grpc.shim.canary import score_canary
+from refit_grpc.shim.engines.base import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Epoch:
+    """One epoch in flight: what it asked for, and how far its receive got."""
+
+    version: int
+    deadline: Deadline
+    verify_weights: bool = False
+    canary: pb.Canary | None = None  # computed after the commit, before COMMITTED
+    staged: bool = False  # a staged epoch: bytes land in the staging copy, never paused
+    delta: bool = False   # its buckets are deltas against the committed copy
+    flip_timeout_s: float = 0.0
+    bytes_applied: int = 0
+    abort_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Received:
+    """What a receive that ended well hands back: the weights digest (in place) or the staged
+    digest (staged), and the canary's result (in place, when the epoch carried one)."""
+
+    digest: str
+    canary: pb.CanaryResult | None
+
+
+class _Event(enum.Enum):
+    BUCKET = "bucket"  # one bucket applied (value: the Bucket)
+    DONE = "done"      # every bucket applied and committed by the engine (value: Received)
+    ERROR = "error"    # the receive failed (value: the RefitError)
+
+
+class EpochReceive:
+    """The receive thread of one epoch: `start()`, then `buckets()` until it ends, `result`."""
+
+    def __init__(self, engine: Engine, plan: RefitPlan, epoch: Epoch):
+        self._engine = engine
+        self._plan = plan
+        self._epoch = epoch
+        self._events: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"receive-v{epoch.version}")
+        self.result: Received | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def buckets(self) -> Iterator[Bucket]:
+        """The buckets worth a PROGRESS as they land; `result` is set when it ends. Raises the
+        receive's error, or RefitTimeoutError when the receive outlives its deadline."""
+        deadline = self._epoch.deadline
+        while True:
+            try:
+                kind, value = self._events.get(timeout=max(deadline.remaining(), 0.0) + 5.0)
+            except queue.Empty:
+                raise RefitTimeoutError("receive outlived its deadline") from None
+            if kind is _Event.ERROR:
+                raise value
+            if kind is _Event.DONE:
+                self.result = value
+                return
+            if self._events.empty():
+                # Behind the receive, a bucket is no news: PROGRESS is "applied up to here",
+                # and COMMITTED, if it is already queued, says everything. One message less
+                # per bucket on a loaded host.
+                yield value
+
+    def join(self) -> None:
+        """Wait for a thread that was started; closing the group fails its pending receive at
+        once, so the bound is a guard."""
+        if self._thread.is_alive():
+            self._thread.join(timeout=10.0)
+
+    def _run(self) -> None:
+        epoch, engine = self._epoch, self._engine
+
+        def on_bucket(bucket: Bucket) -> None:
+            epoch.bytes_applied += bucket.nbytes
+            self._events.put((_Event.BUCKET, bucket))
+
+        try:
+            if epoch.staged:
+                staged_digest = engine.stage(self._plan, epoch.deadline, on_bucket,
+                                             delta=epoch.delta)
+                self._events.put((_Event.DONE, Received(staged_digest, None)))
+                return
+            engine.receive(self._plan, epoch.deadline, on_bucket)
+            digest = engine.finish(epoch.version, epoch.deadline)
+            if epoch.verify_weights and not digest:
+                digest = engine.weights_digest(epoch.deadline)
+            canary = score_canary(engine, epoch.canary, epoch.deadline) if epoch.canary else None
+            self._events.put((_Event.DONE, Received(digest, canary)))
+        except BaseException as e:  # relayed to the handler thread, which owns the status
+            if epoch.deadline.cancel.is_set() and epoch.deadline.remaining() > 0:
+                # Whatever the teardown made the receive trip over, the cause is the abort.
+                why = f"Abort: {epoch.abort_reason}" if epoch.abort_reason else str(e)
+                e = EpochAbortedError(f"epoch {epoch.version} aborted ({why})",
+                                      reason=Reason.EPOCH_ABORTED)
+            elif not isinstance(e, RefitError):
+                log.exception("receive failed")
+                e = EpochAbortedError(f"receive failed: {type(e).__name__}: {e}",
+                                      reason=Reason.RECEIVE_FAILED)
+            self._events.put((_Event.ERROR, e))
+
+
+__all__ = ["Epoch", "EpochReceive", "Received"]
