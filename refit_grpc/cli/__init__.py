@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     shim.add_argument("--buffer-size-bytes", type=int, default=DEFAULT_BUFFER_SIZE_BYTES)
     shim.add_argument("--num-buffers", type=int, default=DEFAULT_NUM_BUFFERS)
     shim.add_argument("--max-epoch-s", type=float, default=600.0)
+    shim.add_argument("--progress-interval-ms", type=float, default=200.0,
+                      help="an epoch's PROGRESS: the first bucket at once, then at most one "
+                           "per this many ms (0: every bucket)")
     shim.add_argument("--grace-s", type=float, default=30.0)
     shim.add_argument("--instance-id", default="")
     shim.add_argument("--torch-threads", type=int, default=1)

@@ -51,6 +51,7 @@ def run_shim(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise SystemExit(f"--allow-master / REFIT_GRPC_ALLOW_MASTER: {e}") from None
     config_kwargs = {"max_epoch_s": args.max_epoch_s,
+                     "progress_interval_s": max(args.progress_interval_ms, 0.0) / 1000,
                      "allowed_master_networks": tuple(args.allow_master)}
     if args.instance_id:
         config_kwargs["instance_id"] = args.instance_id

@@ -13,6 +13,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -60,10 +61,12 @@ class _Event(enum.Enum):
 class EpochReceive:
     """The receive thread of one epoch: `start()`, then `buckets()` until it ends, `result`."""
 
-    def __init__(self, engine: Engine, plan: RefitPlan, epoch: Epoch):
+    def __init__(self, engine: Engine, plan: RefitPlan, epoch: Epoch, *,
+                 progress_interval_s: float = 0.0):
         self._engine = engine
         self._plan = plan
         self._epoch = epoch
+        self._progress_interval_s = progress_interval_s
         self._events: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"receive-v{epoch.version}")
@@ -74,23 +77,39 @@ class EpochReceive:
 
     def buckets(self) -> Iterator[Bucket]:
         """The buckets worth a PROGRESS as they land; `result` is set when it ends. Raises the
-        receive's error, or RefitTimeoutError when the receive outlives its deadline."""
+        receive's error, or RefitTimeoutError when the receive outlives its deadline.
+
+        Coalesced, because the trainer reads every engine's stream: the first bucket at once
+        (the trainer, and tests, learn the transfer reached this engine), then at most one
+        every `progress_interval_s`, the newest applied (PROGRESS is "applied up to here"); a
+        bucket held back is reported when the interval has passed even if no other lands, and
+        COMMITTED or STAGED says the rest. A bucket behind the receive is no news either."""
         deadline = self._epoch.deadline
+        interval = self._progress_interval_s
+        held: Bucket | None = None  # applied, not yet reported
+        last_sent: float | None = None
         while True:
+            wait = max(deadline.remaining(), 0.0) + 5.0
+            if held is not None and last_sent is not None:
+                wait = min(wait, max(last_sent + interval - time.monotonic(), 0.0))
             try:
-                kind, value = self._events.get(timeout=max(deadline.remaining(), 0.0) + 5.0)
+                kind, value = self._events.get(timeout=wait)
             except queue.Empty:
-                raise RefitTimeoutError("receive outlived its deadline") from None
+                if held is None:
+                    raise RefitTimeoutError("receive outlived its deadline") from None
+                last_sent, bucket, held = time.monotonic(), held, None
+                yield bucket
+                continue
             if kind is _Event.ERROR:
                 raise value
             if kind is _Event.DONE:
                 self.result = value
                 return
-            if self._events.empty():
-                # Behind the receive, a bucket is no news: PROGRESS is "applied up to here",
-                # and COMMITTED, if it is already queued, says everything. One message less
-                # per bucket on a loaded host.
-                yield value
+            held = value
+            now = time.monotonic()
+            if self._events.empty() and (last_sent is None or now - last_sent >= interval):
+                last_sent, bucket, held = now, held, None
+                yield bucket
 
     def join(self) -> None:
         """Wait for a thread that was started; closing the group fails its pending receive at

@@ -84,6 +84,10 @@ class ShimConfig:
     max_epoch_s: float = 600.0        # cap when the caller set no deadline (or a longer one)
     max_join_s: float = 300.0
     max_control_s: float = 60.0
+    # An epoch's PROGRESS: the first bucket at once, then at most one per interval (the newest
+    # applied). The trainer reads every engine's stream: one message per bucket per engine
+    # made its control cost grow with engines x buckets (`shim.receive.EpochReceive.buckets`).
+    progress_interval_s: float = 0.2
     # How long a staged copy waits for its Flip when the epoch does not say (flip_timeout_s),
     # and the most it may ask: past it the copy is dropped, the engine serving the old version.
     default_flip_timeout_s: float = 120.0
@@ -392,7 +396,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         is `_fail_epoch`'s, while the shim is still RECEIVING (or STAGING)."""
         committed = False
         was_paused = self.engine.is_paused()
-        receive = EpochReceive(self.engine, plan, epoch)
+        receive = EpochReceive(self.engine, plan, epoch,
+                               progress_interval_s=self.config.progress_interval_s)
         try:
             with receiving:
                 try:
