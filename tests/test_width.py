@@ -20,7 +20,7 @@ import torch
 
 from refit_grpc import Fleet, FleetError, WorkerEndpoint
 from refit_grpc.plan import Packing, weights_digest
-from refit_grpc.shim.process import ShimProcess, spawn_shims
+from refit_grpc.testing.forked_shims import ShimForkServer
 
 from support import info
 
@@ -34,19 +34,21 @@ def weights(version: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def wide():
-    """WIDTH shim processes, started together, for the whole module."""
-    shims = spawn_shims([("--model", "none", "--instance-id", f"sc-{i}",
-                          "--buffer-size-bytes", str(1 << 16), "--torch-threads", "1")
-                         for i in range(WIDTH)])
-    yield shims
-    for s in shims:
-        if s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGTERM)
-    for s in shims:
-        s.stop()
+    """WIDTH shim processes for the whole module, forked from a server that has imported torch
+    and the shim already (each its own process, gRPC server and gloo sockets; a fresh
+    interpreter spends about 2 s importing torch, WIDTH of them minutes on 2 cores)."""
+    with ShimForkServer() as server:
+        shims = [server.start("--model", "none", "--instance-id", f"sc-{i}",
+                              "--buffer-size-bytes", str(1 << 16), "--torch-threads", "1")
+                 for i in range(WIDTH)]
+        yield shims
+        for s in shims:  # all at once: each takes about a second to stop gracefully
+            if s.process.exitcode is None:
+                s.signal(signal.SIGTERM)
 
 
-def fleet_of(shims: list[ShimProcess], **config) -> Fleet:
+def fleet_of(shims, **config) -> Fleet:
+    """A Fleet of shims (forked or spawned: anything with an instance id and an address)."""
     config = {"packing": Packing(1 << 16, 2), "join_timeout_s": 90, "epoch_timeout_s": 60,
               **config}
     return Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims], **config)
