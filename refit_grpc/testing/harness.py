@@ -55,12 +55,13 @@ class Run:
 
     def spawn_shims(self, shim_args: Sequence[Sequence[str]], buffer_size_bytes: int,
                     num_buffers: int = 2) -> list[Any]:
-        """One `refit-grpc shim` per entry of `shim_args` (its own arguments), with the packing."""
-        from refit_grpc.shim.process import spawn_shim
+        """One `refit-grpc shim` per entry of `shim_args` (its own arguments), with the packing,
+        all started before any is waited for."""
+        from refit_grpc.shim.process import spawn_shims
 
-        for args in shim_args:
-            self.shims.append(spawn_shim(*args, "--buffer-size-bytes", str(buffer_size_bytes),
-                                         "--num-buffers", str(num_buffers)))
+        self.shims.extend(spawn_shims([(*args, "--buffer-size-bytes", str(buffer_size_bytes),
+                                        "--num-buffers", str(num_buffers))
+                                       for args in shim_args]))
         return self.shims
 
     def engine_shims(self, engine: str, urls: Sequence[str], prefix: str,

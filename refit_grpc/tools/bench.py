@@ -22,7 +22,6 @@ every receiver is sampled during each epoch.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import statistics
 import subprocess
@@ -350,35 +349,11 @@ def _bare_set(plan: RefitPlan, weights: dict[str, torch.Tensor], workers: int, w
 def _spawn_shims(names: Sequence[str], plan: RefitPlan, timeout_s: float = 120.0) -> list:
     """Store-mode reference shims, started at once (on 2 cores, one after the other took twice
     as long) from this thread, each tied to this process's life; returns once all serve."""
-    from refit_grpc.shim.process import DIE_WITH_PARENT_ENV, READY_PREFIX, ShimProcess
+    from refit_grpc.shim.process import spawn_shims
 
-    env = {**os.environ, DIE_WITH_PARENT_ENV: str(os.getpid())}
-    procs = [subprocess.Popen([sys.executable, "-m", "refit_grpc.cli", "shim", "--model", "none",
-                               "--instance-id", name, "--buffer-size-bytes",
-                               str(plan.packing.buffer_size_bytes), "--num-buffers",
-                               str(plan.packing.num_buffers), "--address", "127.0.0.1:0"],
-                              stdout=subprocess.PIPE, bufsize=0, env=env) for name in names]
-    shims = []
-    end = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            assert p.stdout is not None  # stdout=PIPE, unbuffered: select sees every byte
-            line = b""
-            while not line.startswith(READY_PREFIX.encode()):
-                ready, _, _ = select.select([p.stdout], [], [], max(end - time.monotonic(), 0))
-                if not ready:
-                    raise TimeoutError(f"a bench shim did not serve within {timeout_s:.0f} s")
-                line = p.stdout.readline()  # unbuffered: nothing read stays unseen by select
-                if not line:
-                    raise RuntimeError(f"a bench shim exited with {p.wait(10)} before serving")
-                if not line.startswith(READY_PREFIX.encode()):
-                    sys.stdout.write(line.decode(errors="replace"))  # passed on
-            address, instance_id = line.decode()[len(READY_PREFIX):].split()
-            shims.append(ShimProcess(p, address, instance_id))
-    except BaseException:
-        _stop_shims(procs)
-        raise
-    return shims
+    return spawn_shims([("--model", "none", "--instance-id", name, "--buffer-size-bytes",
+                         str(plan.packing.buffer_size_bytes), "--num-buffers",
+                         str(plan.packing.num_buffers)) for name in names], timeout_s=timeout_s)
 
 
 def _stop_shims(procs: Sequence[subprocess.Popen]) -> None:
