@@ -106,8 +106,7 @@ BENCH_WORLD_FLAGS = $(foreach w,$(BENCH_WORLDS),--world $(w))
 # Every arm (the floor as one broadcast and in buckets, per-tensor, raw, refit_grpc in place and
 # staged, HTTP-JSON) side by side on the realistic 1 GiB decoder mix, for a trainer and 1
 # receiver, then 4 (docs/bench.md). One set of receivers alive at a time, restarted every rep.
-# Measured on 2 cores shared with other runs: 11.5 minutes with world 5 shrunk to 512 MB by the
-# memory check; at 1 GiB world 2 took 4 and world 5 12 minutes (docs/bench.md).
+# About 9.5 minutes on 2 idle cores, both worlds at 1 GiB (docs/bench.md); more on busy ones.
 bench: proto
 	$(VENV)/bin/refit-grpc bench $(BENCH_WORLD_FLAGS) --reps 7 $(BENCH_FLAGS)
 
