@@ -30,7 +30,7 @@ from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.shim.engines import create_engine
 from refit_grpc.shim.engines.dynamo import DynamoEngine
 from refit_grpc.wire.dynamo import STAGE_RPC, join_limit_s, stage_status_key
-from refit_grpc.wire.vllm import STAGE_FAILED, STAGE_RECEIVING, STAGE_STAGED, StageStatus
+from refit_grpc.wire.worker import STAGE_FAILED, STAGE_RECEIVING, STAGE_STAGED, StageStatus
 
 
 class FakeDynamo:

@@ -31,7 +31,7 @@ from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.shim.engines import create_engine
 from refit_grpc.shim.engines.vllm import VLLMEngine
 from refit_grpc.shim.process import spawn_shim
-from refit_grpc.wire.vllm import applied_marker
+from refit_grpc.wire.worker import applied_marker
 
 PLAN = RefitPlan((TensorSpec("model.norm.weight", (8,), torch.float32),),
                  Packing(16, 2))

@@ -58,7 +58,8 @@ from refit_grpc.shim.process import spawn_shim  # noqa: E402
 from refit_grpc.staging import StagedDigest  # noqa: E402
 from refit_grpc.testing.logprobs import SEQUENCE  # noqa: E402
 from refit_grpc.testing.vllm import PROMPT, SERVED_MODEL, http_json  # noqa: E402
-from refit_grpc.wire.vllm import STAGE_OP_STATUS, StageStatus  # noqa: E402
+from refit_grpc.wire.vllm import STAGE_OP_STATUS  # noqa: E402
+from refit_grpc.wire.worker import StageStatus  # noqa: E402
 
 from vllm_support.truth import (  # noqa: E402
     FP32_TOL,

@@ -20,7 +20,7 @@ with `allow_unpaused` (the engine keeps serving):
     refit_grpc_drop_staged()                forget the copy, end a staged receive in flight
 
 Dynamo discards what a forwarded call returns, so a staged receive's progress, digest or error
-(`wire.vllm.StageStatus`) is published by a thread of this worker to the trainer's TCPStore
+(`wire.worker.StageStatus`) is published by a thread of this worker to the trainer's TCPStore
 (the store the abort key already goes through), under `wire.dynamo.stage_status_key`. The flip
 is an ordinary `update_weights_from_path` whose update_info says `source: "staged"`.
 
@@ -119,7 +119,8 @@ class RefitGlooWorkerExtension:
     def update_weights_from_path(self, **update_info: Any) -> dict[str, Any]:
         from vllm.config import set_current_vllm_config
 
-        from refit_grpc.wire.vllm import SOURCE_STAGED, GlooUpdateInfo, applied_marker
+        from refit_grpc.wire.vllm import SOURCE_STAGED, GlooUpdateInfo
+        from refit_grpc.wire.worker import applied_marker
 
         update = GlooUpdateInfo(**update_info)
         receiver = self._refit_grpc_receiver()
@@ -203,7 +204,7 @@ class _StatusPublisher:
     def _run(store: dist.Store, key: str, staged: StagedReceive) -> None:
         import torch.distributed as dist
 
-        from refit_grpc.wire.vllm import STAGE_RECEIVING
+        from refit_grpc.wire.worker import STAGE_RECEIVING
 
         last = None
         while True:

@@ -65,14 +65,9 @@ from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
 from refit_grpc.vllm_plugin.moe import ExpertsReprocessing
 from refit_grpc.vllm_plugin.staged import StagedReceive
-from refit_grpc.wire.vllm import (
-    SOURCE_STAGED,
-    GlooInitInfo,
-    GlooUpdateInfo,
-    StageStatus,
-    applied_marker,
-)
+from refit_grpc.wire.vllm import SOURCE_STAGED, GlooInitInfo, GlooUpdateInfo
 from refit_grpc.wire.vllm import worker_rank as wire_worker_rank
+from refit_grpc.wire.worker import StageStatus, applied_marker
 
 log = logging.getLogger("vllm.refit_grpc")
 

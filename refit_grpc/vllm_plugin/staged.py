@@ -32,7 +32,7 @@ from refit_grpc.collective import Group, receive
 from refit_grpc.common import Deadline
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
 from refit_grpc.staging import StagedDigest, StagingCopy
-from refit_grpc.wire.vllm import (
+from refit_grpc.wire.worker import (
     STAGE_FAILED,
     STAGE_IDLE,
     STAGE_RECEIVING,

@@ -37,7 +37,7 @@ WORKER_EXTENSION = "refit_grpc.vllm_plugin.dynamo_extension.RefitGlooWorkerExten
 
 # Staged epochs (docs/dynamo.md, Staged epochs): more methods of the same extension, reached
 # through update_weights_from_distributed's `engine_rpc`. Dynamo discards a forwarded call's
-# result, so each worker publishes its staged receive's status (`wire.vllm.StageStatus`, JSON)
+# result, so each worker publishes its staged receive's status (`wire.worker.StageStatus`, JSON)
 # under `stage_status_key(status_key, rank)` in the trainer's TCPStore, where the shim reads it.
 STAGE_RPC = "refit_grpc_stage"
 DROP_STAGED_RPC = "refit_grpc_drop_staged"

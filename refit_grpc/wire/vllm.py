@@ -8,16 +8,15 @@ trainer's NCCL link and the direct-route baseline of the benchmarks build them h
 parses them with the same dataclasses, so the two sides of the wire cannot drift apart. Pure: no
 vLLM, no gRPC.
 
-Also here: vLLM's rule for the ranks an engine's workers take (`worker_rank`), and the marker by
-which the gloo backend inside vLLM tells the shim how much of a failed update reached the model
-(`refit_grpc[applied=A/B]` in vLLM's HTTP 500 body).
+Also here: vLLM's rule for the ranks an engine's workers take (`worker_rank`). What a worker
+reports back whatever the engine (a staged receive's `StageStatus`, a failed update's applied
+marker) is `refit_grpc.wire.worker`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any
 
 from refit_grpc.common import GroupSpec
@@ -30,15 +29,6 @@ from refit_grpc.plan import (
     dtype_from_name,
     dtype_name,
 )
-
-# A failed update's error starts with this marker: A of B buckets reached the model. With A == 0
-# the backend's rollback restored every layer, so the engine still holds the old weights.
-APPLIED_RE = re.compile(r"refit_grpc\[applied=(\d+)/(\d+)\]")
-
-
-def applied_marker(applied: int, total: int) -> str:
-    return f"refit_grpc[applied={applied}/{total}]"
-
 
 # --- staged epochs (docs/vllm.md, Staged epochs) --------------------------------------------------
 #
@@ -53,9 +43,6 @@ STAGE_OP_STATUS = "stage_status"    # returns the status
 STAGE_OP_DROP = "drop_staged"       # forget the copy, end a receive in flight; returns the status
 STAGE_OPS = (STAGE_OP_START, STAGE_OP_STATUS, STAGE_OP_DROP)
 SOURCE_STAGED = "staged"
-
-# A worker's staged receive, as its status says
-STAGE_IDLE, STAGE_RECEIVING, STAGE_STAGED, STAGE_FAILED = "idle", "receiving", "staged", "failed"
 
 
 def stage_rpc_body(op: str, update_info: dict[str, Any] | None = None,
@@ -77,45 +64,6 @@ def stage_rpc_body(op: str, update_info: dict[str, Any] | None = None,
     if timeout_s is not None:
         body["timeout"] = timeout_s
     return body
-
-
-@dataclasses.dataclass(frozen=True)
-class StageStatus:
-    """One worker's answer to a staged-epoch operation.
-
-    Args:
-        rank: the worker's rank in the data group.
-        state: `STAGE_IDLE`, `STAGE_RECEIVING`, `STAGE_STAGED` or `STAGE_FAILED`.
-        landed: buckets landed (and checksummed) in the copy so far, in bucket order.
-        total: buckets of the plan.
-        digest: the staged digest once `STAGE_STAGED`, else "".
-        error: why it failed (`STAGE_FAILED`), else "".
-        reason: the failure's `Reason` name where the worker knew it, else "".
-        staging_bytes: host memory the worker's copy holds.
-    """
-
-    rank: int
-    state: str
-    landed: int = 0
-    total: int = 0
-    digest: str = ""
-    error: str = ""
-    reason: str = ""
-    staging_bytes: int = 0
-
-    def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_wire(cls, body: Any) -> StageStatus:
-        """Parse one worker's result; raises ValueError on anything else."""
-        if not isinstance(body, dict):
-            raise ValueError(f"a staged-epoch status must be an object, got {body!r:.200}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        status = cls(**{k: v for k, v in body.items() if k in names})
-        if status.state not in (STAGE_IDLE, STAGE_RECEIVING, STAGE_STAGED, STAGE_FAILED):
-            raise ValueError(f"unknown staged-epoch state {status.state!r}")
-        return status
 
 
 @dataclasses.dataclass(kw_only=True)

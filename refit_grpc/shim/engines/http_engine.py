@@ -59,7 +59,7 @@ from refit_grpc.shim.engines.http_client import (
     is_timeout_text,
 )
 from refit_grpc.shim.engines.options import EngineOptions
-from refit_grpc.wire.vllm import (
+from refit_grpc.wire.worker import (
     APPLIED_RE,
     STAGE_FAILED,
     STAGE_IDLE,

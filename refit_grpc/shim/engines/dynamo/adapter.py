@@ -84,7 +84,7 @@ from refit_grpc.shim.engines.http_client import (
 from refit_grpc.shim.engines.http_engine import HttpEngine, HttpEngineOptions, worker_timeout
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire import dynamo as routes
-from refit_grpc.wire.vllm import STAGE_RECEIVING, StageStatus
+from refit_grpc.wire.worker import STAGE_RECEIVING, StageStatus
 
 if TYPE_CHECKING:
     import torch.distributed as dist

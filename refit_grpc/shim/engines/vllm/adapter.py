@@ -76,13 +76,13 @@ from refit_grpc.wire.vllm import (
     STAGE_OP_DROP,
     STAGE_OP_START,
     STAGE_OP_STATUS,
-    StageStatus,
     flip_info_for,
     init_info_for,
     nccl_misalignment,
     stage_rpc_body,
     update_info_for,
 )
+from refit_grpc.wire.worker import StageStatus
 
 log = logging.getLogger(__name__)
 
