@@ -252,7 +252,7 @@ def joined(fake: FakeDynamo, store) -> DynamoEngine:
 def test_a_stage_starts_unpaused_follows_the_store_and_the_flip_loads_the_copy(fake,
                                                                               trainer_store):
     e = joined(fake, trainer_store)
-    assert e.supports_staging and e.staging_bytes == 0
+    assert e.capabilities.staging and e.staging_bytes == 0
     staged_worker(fake, trainer_store, 1, {"state": STAGE_STAGED, "digest": "ab" * 16})
     landed: list[int] = []
     fake.posted.clear()

@@ -60,7 +60,7 @@ class Subject:
     holds: Callable[[RefitPlan, dict[str, torch.Tensor], int], None]
     settle_s: float = 0.3  # until a receive just started is blocked inside the engine
     # The trainer's log-probabilities of a canary under given weights; None for an engine that
-    # computes no canary (it must say so: supports_canary False, CANARY_UNSUPPORTED).
+    # computes no canary (it must say so: capabilities.canary False, CANARY_UNSUPPORTED).
     canary_truth: Callable[[dict[str, torch.Tensor], list[int]], list[float]] | None = None
 
     def plan(self) -> RefitPlan:
@@ -338,7 +338,7 @@ def test_a_staged_epoch_serves_the_old_weights_until_the_flip(subject):
     the old weights until `flip`, which loads exactly what was staged; its staged digest is the
     trainer's. One that cannot stage says so (STAGING_UNSUPPORTED) without touching anything."""
     engine, plan = subject.engine, subject.plan()
-    if not engine.supports_staging:
+    if not engine.capabilities.staging:
         with pytest.raises(RefitError) as e:
             engine.stage(plan, Deadline(STEP_S), lambda b: None)
         assert e.value.reason == Reason.STAGING_UNSUPPORTED
@@ -405,7 +405,7 @@ def test_a_catch_up_lands_a_peers_committed_copy_and_the_flip_loads_it(subject):
     (the staged digest is the peer copy's), and `flip` loads exactly those weights. The trainer
     is in none of it. An engine that cannot stage cannot catch up either."""
     engine, plan = subject.engine, subject.plan()
-    if not engine.supports_staging:
+    if not engine.capabilities.staging:
         pytest.skip(f"the {engine.kind} engine cannot stage (STAGING_UNSUPPORTED, checked above)")
     weights = perturbed(subject.base, seed=8)
     peer = committed_peer(plan, weights)
@@ -450,12 +450,12 @@ def test_the_canary_is_computed_with_the_new_weights_before_the_engine_serves(su
     (the shim resumes only at Flush). An engine without a canary says so, typed."""
     engine, plan = subject.engine, subject.plan()
     if subject.canary_truth is None:
-        assert not engine.supports_canary
+        assert not engine.capabilities.canary
         with pytest.raises(RefitError) as refused:
             engine.canary_logprobs(CANARY, Deadline(STEP_S))
         assert refused.value.reason == Reason.CANARY_UNSUPPORTED
         return
-    assert engine.supports_canary
+    assert engine.capabilities.canary
     version = next(_versions)
     weights = perturbed(subject.base, seed=2)
     transfer(engine, plan, weights, version)

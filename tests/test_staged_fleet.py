@@ -6,6 +6,7 @@ costs only the flip timeout, and an engine that staged other bytes is the only o
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from refit_grpc import EpochMode, Fleet, Packing, QuorumError, WorkerEndpoint
 from refit_grpc.cli.fleet import render_status, status_rows
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
+from refit_grpc.shim.engines.base import Capabilities
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.service import ShimConfig
 
@@ -258,8 +260,8 @@ class CannotStage(ReferenceEngine):
     """An engine that refuses staged epochs (STAGING_UNSUPPORTED, before ACCEPTED)."""
 
     @property
-    def supports_staging(self) -> bool:
-        return False
+    def capabilities(self) -> Capabilities:
+        return dataclasses.replace(super().capabilities, staging=False)
 
 
 def test_a_refusal_leaves_only_the_refusing_engine_behind():

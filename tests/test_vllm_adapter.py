@@ -304,7 +304,7 @@ def test_a_stage_reports_buckets_as_every_worker_lands_them_and_flips_from_the_c
     """Two workers (TP=2): a bucket is reported once both landed it, the digest once both
     staged the same; the flip is a weight-update session naming the staged copy, no abort key."""
     engine = VLLMEngine(scripted.url)
-    assert engine.supports_staging
+    assert engine.capabilities.staging
     scripted.answers["/collective_rpc"] = [
         _workers(_w(1, "receiving", 0), _w(2, "receiving", 0)),
         _workers(_w(1, "receiving", 2), _w(2, "receiving", 1)),

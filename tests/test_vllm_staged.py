@@ -294,7 +294,7 @@ def test_tokens_keep_streaming_while_a_staged_epoch_lands_and_the_flip_serves_it
     version, tensors = next_version(trainer)
     plan = plan_of(tensors)
     group = form_group(engine, plan)
-    assert engine.supports_staging
+    assert engine.capabilities.staging
     paused_seen: list[bool] = []
     try:
         with TokenStream(server.url) as stream:

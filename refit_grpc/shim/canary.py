@@ -25,7 +25,7 @@ def check_canary(canary: pb.Canary, engine: Engine) -> None:
         problem = "expected log-probabilities must be finite"
     if problem:
         raise InvalidArgumentError(f"canary: {problem}", reason=Reason.INVALID_CANARY)
-    if not engine.supports_canary:
+    if not engine.capabilities.canary:
         raise FailedPreconditionError(
             f"the {engine.kind} engine cannot compute a canary; open the epoch without one",
             reason=Reason.CANARY_UNSUPPORTED)

@@ -363,7 +363,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         staged = epoch_mode(request.mode) == pb.EPOCH_MODE_STAGED
         flip_timeout_s = flip_timeout(request.flip_timeout_s, self.config.default_flip_timeout_s,
                                       self.config.max_flip_timeout_s) if staged else 0.0
-        if staged and not self.engine.supports_staging:
+        if staged and not self.engine.capabilities.staging:
             raise FailedPreconditionError(
                 f"the {self.engine.kind} engine cannot stage an epoch; open it IN_PLACE",
                 reason=Reason.STAGING_UNSUPPORTED)
@@ -615,7 +615,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 f"world_size must be 1 + the newcomer's engine ranks (2 to "
                 f"{1 + MAX_ENGINE_WORLD_SIZE}; 0 means 2), got {world}",
                 reason=Reason.INVALID_WORLD_SIZE)
-        if not self.engine.supports_serving_copy:
+        if not self.engine.capabilities.serving_copy:
             raise FailedPreconditionError(
                 f"the {self.engine.kind} engine cannot serve its committed copy; catch the "
                 "engine up from another peer or by the next epoch",
@@ -692,7 +692,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                          1 + self.engine.world_size, 1, "gloo", request.group_id)
         spec.validate()
         check_not_own_port(request.master_address, request.master_port, self.own_ports)
-        if not self.engine.supports_staging:
+        if not self.engine.capabilities.staging:
             raise FailedPreconditionError(
                 f"the {self.engine.kind} engine cannot stage, so it cannot catch up from a "
                 "peer; the next epoch brings it to the fleet's version",
@@ -787,7 +787,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         if not (request.delta_base_version and request.delta_base_digest):
             raise InvalidArgumentError("a delta epoch names its base by version and digest",
                                        reason=Reason.INVALID_DELTA)
-        if not self.engine.supports_delta:
+        if not self.engine.capabilities.delta:
             raise FailedPreconditionError(f"the {self.engine.kind} engine cannot apply a delta; "
                                           "send a full epoch", reason=Reason.DELTA_UNSUPPORTED)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from refit_grpc.common import PauseMode
 from refit_grpc.plan import Packing
-from refit_grpc.shim.engines.base import Engine, EngineStatus
+from refit_grpc.shim.engines.base import Capabilities, Engine, EngineStatus
 from refit_grpc.shim.engines.options import EngineKind, EngineOptions
 
 _KINDS: dict[str, Callable[[], EngineKind]] = {}
@@ -69,5 +69,5 @@ register_engine("reference", _reference)
 register_engine("vllm", _vllm)
 register_engine("dynamo", _dynamo)
 
-__all__ = ["Engine", "EngineKind", "EngineOptions", "EngineStatus", "PauseMode", "create_engine",
+__all__ = ["Capabilities", "Engine", "EngineKind", "EngineOptions", "EngineStatus", "PauseMode", "create_engine",
            "engine_kind", "engine_names", "register_engine"]

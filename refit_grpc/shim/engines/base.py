@@ -41,6 +41,29 @@ class EngineStatus:
     weights_digest: str = ""  # "" where the engine cannot compute an exact digest
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond an in-place epoch: one value, read by the shim before it
+    admits a request that needs it, so a refusal comes before ACCEPTED and no weights move for
+    nothing. The methods behind a capability the engine lacks keep `Engine`'s defaults, which
+    refuse with the same reason.
+
+    Args:
+        canary: `canary_logprobs` works (else an epoch with a canary is CANARY_UNSUPPORTED).
+        staging: `stage`, `flip` and `drop_staged` work: staged epochs, and catching up from a
+            peer (else STAGING_UNSUPPORTED, CATCH_UP_UNSUPPORTED).
+        delta: `stage(..., delta=True)` works: a delta epoch onto the committed copy (else
+            DELTA_UNSUPPORTED).
+        serving_copy: `serve_copy` works: a peer catches up from this engine's committed copy
+            (else CATCH_UP_UNSUPPORTED).
+    """
+
+    canary: bool = False
+    staging: bool = False
+    delta: bool = False
+    serving_copy: bool = False
+
+
 class Engine(ABC):
     """An engine behind a shim: the local steps of a refit (module docstring).
 
@@ -74,6 +97,13 @@ class Engine(ABC):
         Returns:
             The engine's status.
         """
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this engine can do beyond an in-place epoch (`Capabilities`); by default
+        nothing. May change with the engine's set-up (vLLM stages over gloo only), so the shim
+        reads it at each request."""
+        return Capabilities()
 
     def is_paused(self) -> bool:
         """Whether the engine is paused, as cheaply as the engine can tell (the epoch asks it
@@ -207,12 +237,6 @@ class Engine(ABC):
         """
         return self.status(with_digest=True).weights_digest
 
-    @property
-    def supports_canary(self) -> bool:
-        """Whether `canary_logprobs` works; the shim refuses an epoch with a canary before
-        ACCEPTED (CANARY_UNSUPPORTED) when it does not, so no weights move for nothing."""
-        return False
-
     def canary_logprobs(self, token_ids: Sequence[int], deadline: Deadline) -> list[float]:
         """The canary's log-probabilities with the weights just committed, computed before the
         engine serves again (the shim calls it right after `finish`, while the engine is still
@@ -235,21 +259,9 @@ class Engine(ABC):
     # --- staged epochs (docs/protocol.md, "Staged epochs") -----------------------------------
 
     @property
-    def supports_staging(self) -> bool:
-        """Whether `stage`/`flip` work; the shim refuses a staged epoch before ACCEPTED
-        (STAGING_UNSUPPORTED) when they do not."""
-        return False
-
-    @property
     def staging_bytes(self) -> int:
         """Host memory the staging copy holds (kept between staged epochs); 0 when none."""
         return 0
-
-    @property
-    def supports_delta(self) -> bool:
-        """Whether `stage(..., delta=True)` works (a delta epoch: refit_grpc.delta); the shim
-        refuses one before ACCEPTED (DELTA_UNSUPPORTED) when it does not."""
-        return False
 
     @property
     def committed_copy(self) -> tuple[int, str] | None:
@@ -269,7 +281,7 @@ class Engine(ABC):
             deadline: when every bucket must have landed, or the call must raise.
             on_bucket: runs after each bucket landed.
             delta: the buckets come as deltas against the committed copy (`refit_grpc.delta`),
-                which the shim checked is the trainer's base; only where `supports_delta`.
+                which the shim checked is the trainer's base; only where `capabilities.delta`.
 
         Returns:
             The staged digest of what landed (`refit_grpc.staging.StagedDigest`).
@@ -308,12 +320,6 @@ class Engine(ABC):
     # --- catch-up from a peer (docs/protocol.md, "Catch-up from a peer") ------------------------
     # The engine catching up needs nothing more than staging: the shim joins it to the peer's
     # two-rank group (`init_transfer`), stages (`stage`) and flips (`flip`). The peer needs this:
-
-    @property
-    def supports_serving_copy(self) -> bool:
-        """Whether `serve_copy` works; the shim refuses ServeCatchUp before LISTENING
-        (CATCH_UP_UNSUPPORTED) when it does not."""
-        return False
 
     def serve_copy(self, spec: GroupSpec, store: Any, deadline: Deadline,
                    on_bucket: Callable[[Bucket], None] | None = None) -> None:

@@ -34,7 +34,7 @@ from refit_grpc.errors import (
 from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
 from refit_grpc.plan import Bucket, Packing, RefitPlan, TensorSpec, weights_digest
 from refit_grpc.reasons import Reason
-from refit_grpc.shim.engines.base import Engine, EngineStatus
+from refit_grpc.shim.engines.base import Capabilities, Engine, EngineStatus
 from refit_grpc.shim.engines.options import EngineKind, EngineOptions
 from refit_grpc.staging import StagedDigest, StagingCopy
 
@@ -234,8 +234,10 @@ class ReferenceEngine(Engine):
             self._gate.leave()
 
     @property
-    def supports_canary(self) -> bool:
-        return self._model is not None
+    def capabilities(self) -> Capabilities:
+        """Everything; a canary only with a model (store mode computes no log-probabilities)."""
+        return Capabilities(canary=self._model is not None, staging=True, delta=True,
+                            serving_copy=True)
 
     def canary_logprobs(self, token_ids: Sequence[int], deadline: Deadline) -> list[float]:
         """One forward of the model over the whole sequence; the pause gate is not entered:
@@ -344,16 +346,8 @@ class ReferenceEngine(Engine):
     # --- staged epochs -----------------------------------------------------------------------
 
     @property
-    def supports_staging(self) -> bool:
-        return True
-
-    @property
     def staging_bytes(self) -> int:
         return self._staging.nbytes
-
-    @property
-    def supports_delta(self) -> bool:
-        return True
 
     @property
     def committed_copy(self) -> tuple[int, str] | None:
@@ -429,10 +423,6 @@ class ReferenceEngine(Engine):
         self._staging.invalidate()
 
     # --- catch-up: serving the committed copy to a peer ---------------------------------------
-
-    @property
-    def supports_serving_copy(self) -> bool:
-        return True
 
     def serve_copy(self, spec: GroupSpec, store: Any, deadline: Deadline,
                    on_bucket: Callable[[Bucket], None] | None = None) -> None:

@@ -73,7 +73,7 @@ from refit_grpc.errors import (
 )
 from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
-from refit_grpc.shim.engines.base import EngineStatus
+from refit_grpc.shim.engines.base import Capabilities, EngineStatus
 from refit_grpc.shim.engines.http_client import (
     CallKind,
     Reply,
@@ -149,6 +149,14 @@ class DynamoEngine(HttpEngine):
         return dynamo_error(reply, what, kind)
 
     # --- the engine interface --------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Staging: the worker extension's workers receive on a thread beside the engine loop
+        (gloo only, which init_transfer enforces). No canary (Dynamo's frontend is not this
+        shim's to reach), no delta or serving a copy yet (the workers drop their staged copy
+        at the flip)."""
+        return Capabilities(staging=True)
 
     @property
     def world_size(self) -> int:
@@ -254,12 +262,6 @@ class DynamoEngine(HttpEngine):
         self._post(routes.DESTROY_GROUP, routes.destroy_body(), deadline)
 
     # --- staged epochs (docs/dynamo.md, Staged epochs) -------------------------------------
-
-    @property
-    def supports_staging(self) -> bool:
-        """The worker extension stages (its workers receive on a thread beside the engine
-        loop); the dynamo engine speaks gloo only, which init_transfer enforces."""
-        return True
 
     def stage(self, plan: RefitPlan, deadline: Deadline,
               on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:

@@ -67,7 +67,7 @@ from refit_grpc.errors import (
 )
 from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
-from refit_grpc.shim.engines.base import EngineStatus
+from refit_grpc.shim.engines.base import Capabilities, EngineStatus
 from refit_grpc.shim.engines.checkpoint import CheckpointIndex
 from refit_grpc.shim.engines.http_client import CallKind
 from refit_grpc.shim.engines.http_engine import HttpEngine, HttpEngineOptions, worker_timeout
@@ -113,6 +113,15 @@ class VLLMEngine(HttpEngine):
         self._model_name: str | None = None  # /v1/models id, for the canary's request
 
     # --- the engine interface --------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """A canary (prompt_logprobs); staging over the project's gloo backend, whose workers
+        receive on a thread beside the engine loop; vLLM's own nccl backend has no such
+        receive (docs/vllm.md, Staged epochs). No delta or serving a copy yet: the workers
+        drop their staged copy at the flip."""
+        with self._lock:
+            return Capabilities(canary=True, staging=self._backend == "gloo")
 
     @property
     def world_size(self) -> int:
@@ -282,13 +291,6 @@ class VLLMEngine(HttpEngine):
 
     # --- staged epochs ---------------------------------------------------------------------
 
-    @property
-    def supports_staging(self) -> bool:
-        """The project's gloo backend stages (its workers receive on a thread beside the engine
-        loop); vLLM's own nccl backend has no such receive (docs/vllm.md, Staged epochs)."""
-        with self._lock:
-            return self._backend == "gloo"
-
     def stage(self, plan: RefitPlan, deadline: Deadline,
               on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
         """Start every worker's background receive into its staged copy (POST /collective_rpc,
@@ -364,10 +366,6 @@ class VLLMEngine(HttpEngine):
         return statuses
 
     # --- the canary ------------------------------------------------------------------------
-
-    @property
-    def supports_canary(self) -> bool:
-        return True
 
     def canary_logprobs(self, token_ids: Sequence[int], deadline: Deadline) -> list[float]:
         """vLLM's own teacher-forced numbers (`prompt_logprobs` of /v1/completions).
