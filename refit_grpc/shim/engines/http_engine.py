@@ -1,28 +1,43 @@
 """The base of every engine the shim reaches over local HTTP admin routes (vLLM, Dynamo, next SGLang).
 
-An engine of this kind receives in its own workers: the shim only posts routes. What every such
-engine shares lives here, so a new one writes only its routes:
+An engine of this kind receives in its own workers: the shim only posts routes. `HttpEngine` owns
+every step of the engine interface as a template method, and a subclass supplies the routes
+(the hooks below, `_post_*` and friends); the package's docstring (`refit_grpc.shim.engines`)
+lists exactly what a new engine writes. Owned here:
 
     options         `HttpEngineOptions` (url, timeouts, abort grace, checkpoint directory, the
                     loopback override), extended by each engine's own frozen options class
     loopback        the engine's admin routes are unauthenticated, so its URL must be loopback
                     unless `allow_remote_engine=true`; the shim is the authenticated front door
-    state           paused (last known), receiving, touched (`partial_on_failure`), the group
+    state           paused (last known), receiving, touched (`partial_on_failure`), the group and
+                    its backend, the weight calls in flight, the staged plan and digest, the
+                    workers' staging bytes: no subclass writes them
     pause/resume    the engine's route (`_post_pause` / `_post_resume`), then the paused flag
+    init_transfer   the previous teardown awaited, the group torn down (`_teardown`), then the
+                    join (`_post_join`) with a worker timeout from the deadline
+    receive, flip   one weight-update session (`_update`): receiving and touched kept,
+                    `_open_update` (the engine's session opening, if any), then the one blocking
+                    call (`_post_update`: from the group, or for a flip from the staged copy),
+                    watched (`_watched_receive`): an abort key in the trainer's TCPStore set when
+                    the epoch is aborted (the only way to reach a worker blocked inside the
+                    receive), the `refit_grpc[applied=0/N]` marker (`wire.worker`) that proves
+                    the weights untouched, no commit of a call that outlived an abort
     finish          the engine's route (`_post_finish`), then the weights are whole again
-    receive         `_watched_receive`: the one blocking call, an abort key in the trainer's
-                    TCPStore set when the epoch is aborted (the only way to reach a worker
-                    blocked inside the receive), the `refit_grpc[applied=0/N]` marker that
-                    proves the weights untouched, no commit of a call that outlived an abort
-    abort_transfer  pending calls cancelled, then the engine's teardown route (`_teardown`) on
-                    a background thread, which the next init waits for (`_join_teardown`)
+    stage           the previous drop awaited, `_start_stage` (each engine starts its workers'
+                    staged receives and says how to read their `wire.worker.StageStatus`), then
+                    `_await_staged`: the poll (PROGRESS as buckets land everywhere, their
+                    digests must agree, typed failures)
+    drop_staged     `_post_drop_staged` on a background thread, which the next stage awaits
+    abort_transfer  pending calls cancelled, then `_teardown` on a background thread, which the
+                    next init awaits
     checkpoint      the names and shapes of a local checkpoint directory, read once
-    staged epochs   `_await_staged`: the poll of the workers' staged receives (PROGRESS as
-                    buckets land everywhere, their digests must agree, typed failures); each
-                    engine says how it starts and reads them (vLLM: /collective_rpc; Dynamo:
-                    its update route, then the trainer's TCPStore); `drop_staged` on a
-                    background thread (`_post_drop_staged`, the engine's call), which the next
-                    stage waits for (`_join_drop`); `staging_bytes` as the workers reported
+
+Where issue 23's work slots in: a committed copy kept by the workers after the flip is
+`committed_copy` (the base would record the flipped `(version, digest)`) with
+`Capabilities(delta=True, serving_copy=True)`; a delta epoch reaches `_start_stage(...,
+delta=True)` (refused here while the capability is off); serving a catch-up is `serve_copy`; a
+flip that copies straight into the live parameters is the engine's `_post_update` for a staged
+source.
 
 Also here: `worker_timeout`, the bound a worker is given for a join or a receive. The HTTP client
 is `http_client.py`, the checkpoint index `checkpoint.py`.
@@ -30,12 +45,13 @@ is `http_client.py`, the checkpoint index `checkpoint.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import uuid
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
@@ -43,6 +59,7 @@ from refit_grpc.errors import (
     CollectiveError,
     EngineUnavailableError,
     EpochAbortedError,
+    FailedPreconditionError,
     RefitError,
     RefitTimeoutError,
 )
@@ -74,6 +91,9 @@ log = logging.getLogger(__name__)
 # each poll is a /collective_rpc, answered between two engine steps: a few ms of the engine loop
 # per second; on Dynamo a read of the trainer's TCPStore, nothing of the engine's).
 STAGE_POLL_S = 0.1
+
+# Reads every worker's staged receive again (`HttpEngine._start_stage` returns one).
+StagePoll = Callable[[Deadline], list[StageStatus]]
 
 
 def stage_error(failed: list[StageStatus]) -> RefitError:
@@ -116,8 +136,64 @@ class HttpEngineOptions(EngineOptions):
     allow_remote_engine: bool = False  # allow a URL that is not loopback
 
 
+@dataclasses.dataclass(frozen=True)
+class UpdateCall:
+    """What the one blocking call of a weight-update session (`HttpEngine._post_update`) needs.
+
+    Args:
+        plan: the epoch's plan (names, dtypes, shapes: how the bytes split into tensors).
+        deadline: the call's deadline (also the watch: its cancel ends the call).
+        gen: the HTTP client's generation when the session opened (an abort changes it).
+        timeout_s: the worker's own bound (`worker_timeout`).
+        abort_key: the key in the trainer's TCPStore whose setting ends the receive, or None.
+        on_cancel: what the HTTP client runs when the call is cancelled (sets the abort key).
+        staged_digest: None for a receive from the group; for a flip, the digest the worker's
+            staged copy must hold (the bytes come from that copy).
+    """
+
+    plan: RefitPlan
+    deadline: Deadline
+    gen: int
+    timeout_s: float
+    abort_key: str | None = None
+    on_cancel: Callable[[], None] | None = None
+    staged_digest: str | None = None
+
+
+class _BackgroundCall:
+    """One call on a daemon thread at a time, bounded by `timeout_s`: starting it while it runs
+    is a no-op, its failure is logged (abort's teardown, drop_staged)."""
+
+    def __init__(self, name: str, call: Callable[[Deadline], object], timeout_s: float):
+        self.name, self._call, self._timeout_s = name, call, timeout_s
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self, thread_name: str) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            thread = self._thread = threading.Thread(target=self._run, daemon=True,
+                                                     name=thread_name)
+        thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._call(Deadline(self._timeout_s))
+        except RefitError as e:
+            log.info("background %s: %s", self.name, e)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a call in flight; True once none runs."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            thread.join(max(timeout_s, 0.0))
+            return not thread.is_alive()
+        return True
+
+
 class HttpEngine(Engine):
-    """An engine behind local HTTP admin routes; subclasses name them.
+    """An engine behind local HTTP admin routes; subclasses supply the routes (the hooks).
 
     Constructed from its options class: `Engine(url, packing, **fields)` with typed values, or
     `Engine(options=..., packing=...)` (the registry's factory, after `options_cls.parse`)."""
@@ -127,6 +203,7 @@ class HttpEngine(Engine):
     admin_routes: ClassVar[str] = "the engine's admin routes"  # in the loopback refusal
     reached: ClassVar[str] = "engine"                 # what the shim reaches on loopback
     teardown_route: ClassVar[str] = "teardown"        # what `_teardown` posts, for messages
+    update_route: ClassVar[str] = "update"            # what `_post_update` posts, for messages
 
     def __init__(self, url: str | None = None, packing: Packing = Packing(), *,
                  options: HttpEngineOptions | None = None, **fields: Any):
@@ -153,13 +230,18 @@ class HttpEngine(Engine):
         self._lock = threading.Lock()
         self._paused = False          # last known (set by pause/resume)
         self._group: GroupSpec | None = None
+        self._backend = "gloo"        # the group's
+        self._weight_calls = 0        # join/update calls in flight (the engine is inside one)
         self._receiving = False
         self._touched = False         # weights may differ from the last committed version
-        self._teardown_thread: threading.Thread | None = None
+        self._teardown = _BackgroundCall(self.teardown_route, self._post_teardown,
+                                         o.request_timeout_s)
         # Staged epochs: what stage() returned (for flip), the background drop, and the host
         # memory the workers' staged copies hold as they last reported it.
         self._staged: tuple[RefitPlan, str] | None = None
-        self._drop_thread: threading.Thread | None = None
+        self._drop = _BackgroundCall(
+            "drop_staged", lambda d: self._note_staging(self._post_drop_staged(d)),
+            o.request_timeout_s)
         self._staging_bytes = 0
 
     @classmethod
@@ -179,11 +261,45 @@ class HttpEngine(Engine):
     def _post_resume(self, deadline: Deadline) -> None: ...
 
     @abstractmethod
+    def _post_join(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline,
+                   timeout_s: float) -> None:
+        """Join the workers to the group `spec`, `timeout_s` their own bound; blocks until
+        the trainer's rank 0 has joined."""
+
+    @abstractmethod
+    def _post_update(self, call: UpdateCall) -> None:
+        """The one blocking call of a weight-update session: receive every bucket from the
+        group (`call.staged_digest` None), or load the workers' staged copies (a flip). A
+        failure names `wire.worker.applied_marker` where the worker knows how much it applied."""
+
+    @abstractmethod
     def _post_finish(self, version: int, deadline: Deadline) -> None: ...
 
     @abstractmethod
-    def _teardown(self, deadline: Deadline) -> None:
-        """Tear the engine's data group down (`teardown_route`)."""
+    def _post_teardown(self, deadline: Deadline, *, before_join: bool = False) -> None:
+        """Tear the workers' data group down (`teardown_route`); `before_join`: ahead of a new
+        join, which may also end a weight-update session left open."""
+
+    def _open_update(self, deadline: Deadline, gen: int, what: str) -> None:
+        """Open a weight-update session before its blocking call. By default there is no
+        opening route: the weights count as touched from here. An engine with a session
+        route (vLLM's /start_weight_update) overrides it, marking `touched` once that route
+        may move layers."""
+        self._set_touched(True)
+        self._check_live(deadline, gen, what)
+
+    def _start_stage(self, plan: RefitPlan, deadline: Deadline, timeout_s: float,
+                     delta: bool) -> tuple[list[StageStatus], StagePoll]:
+        """Start every worker's staged receive of `plan` (answered at once: the engine keeps
+        serving); every worker's status right after, and how to read them again. Only where
+        `capabilities.staging`."""
+        raise FailedPreconditionError(f"the {self.kind} engine cannot stage an epoch",
+                                      reason=Reason.STAGING_UNSUPPORTED)
+
+    def _post_drop_staged(self, deadline: Deadline) -> list[StageStatus] | None:
+        """Make every worker forget its staged copy (and end a staged receive in flight); the
+        workers' statuses where the route answers them. Nothing to drop by default."""
+        return None
 
     @abstractmethod
     def weight_version(self, deadline: Deadline | None = None) -> Any:
@@ -207,6 +323,29 @@ class HttpEngine(Engine):
         with self._lock:
             self._paused = False
 
+    def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:
+        self._check_group(spec, plan)
+        self._join_teardown(deadline)
+        self._post_teardown(deadline, before_join=True)
+        timeout_s = worker_timeout(deadline.check("join"))
+        with self._weight_call():
+            self._post_join(spec, plan, deadline, timeout_s)
+        with self._lock:
+            self._backend, self._group = spec.backend, spec
+
+    def _check_group(self, spec: GroupSpec, plan: RefitPlan) -> None:
+        """Refuse a group the workers cannot join, before any route (by default: the backend,
+        `check_backend`)."""
+        self.check_backend(spec.backend)
+
+    def receive(self, plan: RefitPlan, deadline: Deadline,
+                on_bucket: Callable[[Bucket], None]) -> None:
+        """The blocking update; `on_bucket` runs for every bucket once it succeeded (the
+        engines report nothing per bucket: PROGRESS arrives in one burst)."""
+        self._update(plan, deadline)
+        for bucket in plan.buckets:
+            on_bucket(bucket)
+
     def finish(self, version: int, deadline: Deadline) -> str:
         self._post_finish(version, deadline)
         with self._lock:
@@ -215,34 +354,62 @@ class HttpEngine(Engine):
 
     def abort_transfer(self) -> None:
         self._http.cancel_pending()
-        with self._lock:
-            if self._teardown_thread is not None and self._teardown_thread.is_alive():
-                return
-            thread = threading.Thread(target=self._background_teardown, daemon=True,
-                                      name=f"{self.kind}-{self.teardown_route}")
-            self._teardown_thread = thread
-        thread.start()
+        self._teardown.start(f"{self.kind}-{self.teardown_route}")
 
     def close(self) -> None:
         self.abort_transfer()
-        thread = self._teardown_thread
-        if thread is not None:
-            thread.join(min(self.request_timeout_s, 5.0))
-
-    def _background_teardown(self) -> None:
-        try:
-            self._teardown(Deadline(self.request_timeout_s))
-        except RefitError as e:
-            log.info("background %s: %s", self.teardown_route, e)
+        self._teardown.wait(min(self.request_timeout_s, 5.0))
 
     def _join_teardown(self, deadline: Deadline) -> None:
         """A teardown posted by an earlier abort must reach the engine before the next init."""
-        thread = self._teardown_thread
-        if thread is not None and thread.is_alive():
-            thread.join(max(min(deadline.remaining(), self.request_timeout_s), 0.0))
-            if thread.is_alive():
-                raise EngineUnavailableError(f"the previous {self.teardown_route} is still "
-                                             "unanswered")
+        if not self._teardown.wait(min(deadline.remaining(), self.request_timeout_s)):
+            raise EngineUnavailableError(f"the previous {self.teardown_route} is still "
+                                         "unanswered")
+
+    # --- one weight-update session: a receive, or a flip's load -----------------------------
+
+    def _update(self, plan: RefitPlan, deadline: Deadline, staged_digest: str | None = None,
+                ) -> None:
+        """Open the session (`_open_update`), then its one blocking call (`_post_update`),
+        watched for aborts. A receive from the group gets an abort key; a flip's load reads
+        host memory and needs none. The caller commits (`finish`)."""
+        what = self.update_route if staged_digest is None else f"{self.update_route}(staged)"
+        gen = self._http.generation
+        group = self._group if staged_digest is None else None
+        with self._weight_call(receiving=True):
+            self._open_update(deadline, gen, what)
+            left = deadline.check(what)
+            abort_key = self._abort_key(group)
+            self._watched_receive(
+                lambda on_cancel: self._post_update(UpdateCall(
+                    plan, deadline, gen, worker_timeout(left), abort_key, on_cancel,
+                    staged_digest)),
+                what, deadline, gen, group, abort_key)
+
+    @contextlib.contextmanager
+    def _weight_call(self, receiving: bool = False) -> Iterator[None]:
+        """A join or update call in flight; `receiving`: an update session (touched from
+        `_open_update` on)."""
+        with self._lock:
+            self._weight_calls += 1
+            if receiving:
+                self._receiving, self._touched = True, False
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._weight_calls -= 1
+                if receiving:
+                    self._receiving = False
+
+    def _set_touched(self, touched: bool) -> None:
+        with self._lock:
+            self._touched = touched
+
+    def _check_live(self, deadline: Deadline, gen: int, what: str) -> None:
+        deadline.check(what)
+        if gen != self._http.generation:
+            raise EpochAbortedError(f"{what}: aborted", reason=Reason.EPOCH_ABORTED)
 
     def _abort_key(self, group: GroupSpec | None) -> str | None:
         """A fresh key for one receive, in the group's namespace of the trainer's TCPStore."""
@@ -262,8 +429,7 @@ class HttpEngine(Engine):
         except RefitError as e:
             m = APPLIED_RE.search(e.message)
             if m and int(m.group(1)) == 0:
-                with self._lock:
-                    self._touched = False  # rolled back with nothing loaded: old weights intact
+                self._set_touched(False)  # rolled back with nothing loaded: old weights intact
             raise
         if deadline.cancel.is_set() or gen != self._http.generation:
             raise EpochAbortedError(f"{what} finished after an abort; not committing",
@@ -281,7 +447,7 @@ class HttpEngine(Engine):
         else:
             log.info("abort key not set: the worker fails with the trainer")
 
-    # --- staged epochs: the poll every HTTP engine shares ----------------------------------
+    # --- staged epochs: stage, flip, drop ---------------------------------------------------
 
     @property
     def staging_bytes(self) -> int:
@@ -290,37 +456,64 @@ class HttpEngine(Engine):
         with self._lock:
             return self._staging_bytes
 
-    def drop_staged(self) -> None:
-        """Forget the staged copy on every worker and end a staged receive in flight (on a
-        background thread: never blocks; the next stage waits for it, `_join_drop`)."""
+    def stage(self, plan: RefitPlan, deadline: Deadline,
+              on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
+        """Start every worker's staged receive (`_start_stage`), then follow them until every
+        bucket landed everywhere. The engine is not paused and its weights are not touched;
+        every worker stages the whole plan (each TP rank receives every byte, as in place),
+        and their staged digests must agree.
+
+        Returns:
+            The staged digest.
+
+        Raises:
+            RefitError: a worker's receive failed (its reason where it knew one), the workers
+                disagree, or the stage was aborted or ran out of time; nothing is staged then.
+        """
+        if delta and not self.capabilities.delta:
+            raise FailedPreconditionError(f"the {self.kind} engine cannot apply a delta",
+                                          reason=Reason.DELTA_UNSUPPORTED)
+        self._drop.wait(min(deadline.remaining(), self.request_timeout_s))
+        gen = self._http.generation
         with self._lock:
             self._staged = None
-            if self._drop_thread is not None and self._drop_thread.is_alive():
-                return
-            thread = threading.Thread(target=self._background_drop, daemon=True,
-                                      name=f"{self.kind}-drop_staged")
-            self._drop_thread = thread
-        thread.start()
+        timeout_s = worker_timeout(deadline.check("stage"))
+        statuses, poll = self._start_stage(plan, deadline, timeout_s, delta)
+        digest = self._await_staged(plan, deadline, on_bucket, gen, statuses, poll)
+        with self._lock:
+            self._staged = (plan, digest)
+        return digest
 
-    def _background_drop(self) -> None:
-        try:
-            self._post_drop_staged(Deadline(self.request_timeout_s))
-        except RefitError as e:
-            log.info("background drop_staged: %s", e)
+    def flip(self, version: int, deadline: Deadline) -> str:
+        """Load the staged copy into the live weights through the in-place receive's own
+        session (`_update` with the staged digest: the workers' loader, so layerwise reload,
+        tied heads and MoE experts are as in place), then commit `version`. Called while
+        paused. The copy is consumed, or no longer trusted after a failed load."""
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            raise FailedPreconditionError("flip: nothing is staged on this engine",
+                                          reason=Reason.NOT_STAGED)
+        plan, digest = staged
+        self._update(plan, deadline, staged_digest=digest)
+        return self.finish(version, deadline)
 
-    def _post_drop_staged(self, deadline: Deadline) -> None:
-        """The engine's call that makes every worker forget its staged copy (and end a staged
-        receive in flight); an engine that does not stage has nothing to drop."""
+    def drop_staged(self) -> None:
+        """Forget the staged copy on every worker and end a staged receive in flight (on a
+        background thread: never blocks; the next stage waits for it)."""
+        with self._lock:
+            self._staged = None
+        self._drop.start(f"{self.kind}-drop_staged")
 
-    def _join_drop(self, deadline: Deadline) -> None:
-        thread = self._drop_thread
-        if thread is not None and thread.is_alive():
-            thread.join(max(min(deadline.remaining(), self.request_timeout_s), 0.0))
+    def _note_staging(self, statuses: list[StageStatus] | None) -> list[StageStatus] | None:
+        if statuses is not None:
+            with self._lock:
+                self._staging_bytes = sum(s.staging_bytes for s in statuses)
+        return statuses
 
     def _await_staged(self, plan: RefitPlan, deadline: Deadline,
                       on_bucket: Callable[[Bucket], None], gen: int,
-                      statuses: list[StageStatus],
-                      poll: Callable[[Deadline], list[StageStatus]]) -> str:
+                      statuses: list[StageStatus], poll: StagePoll) -> str:
         """Follow the workers' staged receives (just started, `statuses`) until every bucket
         landed everywhere; `on_bucket` runs once per bucket landed on every worker.
 
@@ -342,6 +535,7 @@ class HttpEngine(Engine):
         """
         reported = 0
         while True:
+            self._note_staging(statuses)
             failed = [s for s in statuses if s.state == STAGE_FAILED]
             if failed:
                 raise stage_error(failed)
@@ -384,4 +578,5 @@ class HttpEngine(Engine):
         return self._checkpoint
 
 
-__all__ = ["HttpEngine", "HttpEngineOptions", "worker_timeout"]
+__all__ = ["HttpEngine", "HttpEngineOptions", "StagePoll", "UpdateCall", "stage_error",
+           "worker_timeout"]

@@ -65,13 +65,12 @@ from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import (
     CollectiveError,
     EngineUnavailableError,
-    EpochAbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
     RefitError,
     RefitTimeoutError,
 )
-from refit_grpc.plan import Bucket, Packing, RefitPlan
+from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import Capabilities, EngineStatus
 from refit_grpc.shim.engines.http_client import (
@@ -81,7 +80,12 @@ from refit_grpc.shim.engines.http_client import (
     status_error,
     worker_error,
 )
-from refit_grpc.shim.engines.http_engine import HttpEngine, HttpEngineOptions, worker_timeout
+from refit_grpc.shim.engines.http_engine import (
+    HttpEngine,
+    HttpEngineOptions,
+    StagePoll,
+    UpdateCall,
+)
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire import dynamo as routes
 from refit_grpc.wire.worker import STAGE_RECEIVING, StageStatus
@@ -137,6 +141,7 @@ class DynamoEngine(HttpEngine):
     admin_routes = "Dynamo's /engine routes"
     reached = "worker"
     teardown_route = routes.DESTROY_GROUP
+    update_route = routes.UPDATE_DISTRIBUTED
     options: DynamoOptions
 
     def __init__(self, url: str | None = None, packing: Packing = Packing(), *,
@@ -204,17 +209,15 @@ class DynamoEngine(HttpEngine):
                 "only; NCCL on GPUs is Dynamo's own path (docs/dynamo.md)",
                 reason=Reason.BACKEND_UNAVAILABLE)
 
-    def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:
-        self.check_backend(spec.backend)
-        self._join_teardown(deadline)
-        self._post(routes.DESTROY_GROUP, routes.destroy_body(), deadline)
-        left = deadline.check(routes.INIT_GROUP)
+    def _post_join(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline,
+                   timeout_s: float) -> None:
+        """init_weights_update_group, the join bounded below Dynamo's limit (module
+        docstring): a trainer that never comes gives RENDEZVOUS_TIMEOUT and a live worker."""
         limit = self.join_limit_s
-        timeout = min(worker_timeout(left), limit)
-        body = routes.init_body(spec, plan, timeout)
+        timeout = min(timeout_s, limit)
         try:
-            self._post(routes.INIT_GROUP, body, deadline, kind=CallKind.JOIN,
-                       cap_s=timeout + 5.0, extra_s=1.0, watch=deadline)
+            self._post(routes.INIT_GROUP, routes.init_body(spec, plan, timeout), deadline,
+                       kind=CallKind.JOIN, cap_s=timeout + 5.0, extra_s=1.0, watch=deadline)
         except RefitTimeoutError as e:
             if timeout >= limit and e.reason == Reason.RENDEZVOUS_TIMEOUT:
                 raise RefitTimeoutError(
@@ -225,72 +228,49 @@ class DynamoEngine(HttpEngine):
         except EngineUnavailableError as e:
             raise self._gone(e, f"during {routes.INIT_GROUP}: Dynamo shuts a worker down when "
                                 f"the group init outlives {routes.INIT_TIMEOUT_ENV}") from e
-        with self._lock:
-            self._group = spec
 
-    def receive(self, plan: RefitPlan, deadline: Deadline,
-                on_bucket: Callable[[Bucket], None]) -> None:
-        gen = self._http.generation
-        group = self._group
-        with self._lock:
-            self._receiving, self._touched = True, True
+    def _post_update(self, call: UpdateCall) -> None:
+        """update_weights_from_distributed (start, receive, finish in the worker; paused), or
+        with `source: "staged"` a flip's load of the workers' copies through the same
+        loader."""
+        if call.staged_digest is None:
+            body = routes.update_body(call.plan, call.timeout_s, call.abort_key)
+        else:
+            body = routes.flip_body(call.plan, call.timeout_s, call.staged_digest)
         try:
-            left = deadline.check(routes.UPDATE_DISTRIBUTED)
-            if gen != self._http.generation:
-                raise EpochAbortedError("aborted before the update", reason=Reason.EPOCH_ABORTED)
-            abort_key = self._abort_key(group)
-            body = routes.update_body(plan, worker_timeout(left), abort_key)
-            try:
-                self._watched_receive(
-                    lambda on_cancel: self._post(
-                        routes.UPDATE_DISTRIBUTED, body, deadline, kind=CallKind.RECEIVE,
-                        cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen,
-                        on_cancel=on_cancel),
-                    "the update", deadline, gen, group, abort_key)
-            except EngineUnavailableError as e:
-                raise self._gone(e, f"during {routes.UPDATE_DISTRIBUTED}") from e
-        finally:
-            with self._lock:
-                self._receiving = False
-        for bucket in plan.buckets:
-            on_bucket(bucket)
+            self._post(routes.UPDATE_DISTRIBUTED, body, call.deadline, kind=CallKind.RECEIVE,
+                       cap_s=math.inf, extra_s=1.0, watch=call.deadline, gen=call.gen,
+                       on_cancel=call.on_cancel)
+        except EngineUnavailableError as e:
+            raise self._gone(e, f"during {routes.UPDATE_DISTRIBUTED}"
+                             if call.staged_digest is None else "during the flip's load") from e
 
     def _post_finish(self, version: int, deadline: Deadline) -> None:
         self._post(routes.SET_VERSION, {"weight_version": version}, deadline)
 
-    def _teardown(self, deadline: Deadline) -> None:
+    def _post_teardown(self, deadline: Deadline, *, before_join: bool = False) -> None:
         self._post(routes.DESTROY_GROUP, routes.destroy_body(), deadline)
 
     # --- staged epochs (docs/dynamo.md, Staged epochs) -------------------------------------
 
-    def stage(self, plan: RefitPlan, deadline: Deadline,
-              on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
-        """Start every worker's staged receive (update_weights_from_distributed with the
-        extension's `refit_grpc_stage` and `allow_unpaused`: the call answers at once), then
-        follow their statuses in the trainer's TCPStore until every bucket landed everywhere.
-        The engine is not paused and its weights are not touched.
-
-        Returns:
-            The staged digest (every worker's).
+    def _start_stage(self, plan: RefitPlan, deadline: Deadline, timeout_s: float,
+                     delta: bool) -> tuple[list[StageStatus], StagePoll]:
+        """update_weights_from_distributed with the extension's `refit_grpc_stage` and
+        `allow_unpaused` (the call answers at once); the workers' statuses are then read from
+        the trainer's TCPStore, where they publish them.
 
         Raises:
-            RefitError: a worker failed (its reason), the workers disagree, the stage was
-                aborted or ran out of time, the trainer's store is gone, or the worker's
-                extension has no staged receive (STAGING_UNSUPPORTED); nothing is staged then.
+            RefitError: no group (NO_GROUP), the trainer's store is gone, or the worker's
+                extension has no staged receive (STAGING_UNSUPPORTED).
         """
-        self._join_drop(deadline)
-        gen = self._http.generation
         group = self._group
-        with self._lock:
-            self._staged = None
         if group is None:
             raise FailedPreconditionError("stage: no weight-update group; InitCollective first",
                                           reason=Reason.NO_GROUP)
         status_key = f"refit_grpc/{group.group_id}/staged/{uuid.uuid4().hex}"
-        left = deadline.check("stage")
         try:
             self._post(routes.UPDATE_DISTRIBUTED,
-                       routes.stage_body(plan, worker_timeout(left), status_key), deadline)
+                       routes.stage_body(plan, timeout_s, status_key), deadline)
         except FailedPreconditionError as e:
             if "has no attribute" in e.message and routes.STAGE_RPC in e.message:
                 raise FailedPreconditionError(
@@ -305,70 +285,13 @@ class DynamoEngine(HttpEngine):
         ranks = range(group.rank, group.rank + self._world_size)
 
         def poll(d: Deadline) -> list[StageStatus]:
-            return self._read_statuses(store, status_key, ranks, len(plan.buckets))
+            return _read_statuses(store, status_key, ranks, len(plan.buckets))
 
-        digest = self._await_staged(plan, deadline, on_bucket, gen, poll(deadline), poll)
-        with self._lock:
-            self._staged = (plan, digest)
-        return digest
+        return poll(deadline), poll
 
-    def flip(self, version: int, deadline: Deadline) -> str:
-        """Load the staged copy into the live weights: the in-place update route, paused, with
-        `source: "staged"` (the worker's side is the receive's own loader: layerwise reload,
-        tied heads, MoE experts, rollback and its applied marker), then commit `version`."""
-        with self._lock:
-            staged = self._staged
-        if staged is None:
-            raise FailedPreconditionError("flip: nothing is staged on this engine",
-                                          reason=Reason.NOT_STAGED)
-        plan, digest = staged
-        gen = self._http.generation
-        with self._lock:
-            self._receiving, self._touched = True, True
-        try:
-            body = routes.flip_body(plan, worker_timeout(deadline.check("flip")), digest)
-            try:
-                self._watched_receive(
-                    lambda _on_cancel: self._post(
-                        routes.UPDATE_DISTRIBUTED, body, deadline, kind=CallKind.RECEIVE,
-                        cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen),
-                    "the flip", deadline, gen, None, None)
-            except EngineUnavailableError as e:
-                raise self._gone(e, "during the flip's load") from e
-        finally:
-            with self._lock:
-                self._receiving = False
-                self._staged = None  # consumed, or no longer trusted after a failed load
-        return self.finish(version, deadline)
-
-    def _post_drop_staged(self, deadline: Deadline) -> None:
+    def _post_drop_staged(self, deadline: Deadline) -> list[StageStatus] | None:
         self._post(routes.UPDATE_DISTRIBUTED, routes.drop_staged_body(), deadline)
-
-    def _read_statuses(self, store: dist.Store, status_key: str, ranks: range,
-                       buckets: int) -> list[StageStatus]:
-        """Every worker's published status; a worker that has published nothing yet is
-        receiving (its start call answered ok)."""
-        import torch.distributed as dist
-
-        statuses = []
-        try:
-            for rank in ranks:
-                key = routes.stage_status_key(status_key, rank)
-                if store.check([key]):
-                    statuses.append(StageStatus.from_wire(json.loads(store.get(key))))
-                else:
-                    statuses.append(StageStatus(rank=rank, state=STAGE_RECEIVING,
-                                                total=buckets))
-        except (RuntimeError, dist.DistError) as e:
-            raise CollectiveError(f"stage: the trainer's TCPStore, where the workers publish "
-                                  f"their staged receive, no longer answers ({e})",
-                                  reason=Reason.COLLECTIVE_FAILED) from e
-        except (TypeError, ValueError) as e:
-            raise RefitError(f"stage: a worker's staged status is unreadable ({e})",
-                             reason=Reason.ENGINE_ERROR) from e
-        with self._lock:
-            self._staging_bytes = sum(s.staging_bytes for s in statuses)
-        return statuses
+        return None
 
     # --- extras for trainers, tests and the demo -------------------------------------------
 
@@ -397,6 +320,30 @@ class DynamoEngine(HttpEngine):
         alive = self.status().healthy
         state = "still answers its liveness probe" if alive else "is gone (no liveness answer)"
         return EngineUnavailableError(f"{error.message}; the worker {state} {context}")
+
+
+def _read_statuses(store: dist.Store, status_key: str, ranks: range,
+                   buckets: int) -> list[StageStatus]:
+    """Every worker's published status; a worker that has published nothing yet is receiving
+    (its start call answered ok)."""
+    import torch.distributed as dist
+
+    statuses = []
+    try:
+        for rank in ranks:
+            key = routes.stage_status_key(status_key, rank)
+            if store.check([key]):
+                statuses.append(StageStatus.from_wire(json.loads(store.get(key))))
+            else:
+                statuses.append(StageStatus(rank=rank, state=STAGE_RECEIVING, total=buckets))
+    except (RuntimeError, dist.DistError) as e:
+        raise CollectiveError(f"stage: the trainer's TCPStore, where the workers publish "
+                              f"their staged receive, no longer answers ({e})",
+                              reason=Reason.COLLECTIVE_FAILED) from e
+    except (TypeError, ValueError) as e:
+        raise RefitError(f"stage: a worker's staged status is unreadable ({e})",
+                         reason=Reason.ENGINE_ERROR) from e
+    return statuses
 
 
 def _connect_store(group: GroupSpec, timeout_s: float) -> dist.Store:

@@ -54,7 +54,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
@@ -65,12 +65,17 @@ from refit_grpc.errors import (
     InvalidPlanError,
     RefitError,
 )
-from refit_grpc.plan import Bucket, Packing, RefitPlan
+from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import Capabilities, EngineStatus
 from refit_grpc.shim.engines.checkpoint import CheckpointIndex
 from refit_grpc.shim.engines.http_client import CallKind
-from refit_grpc.shim.engines.http_engine import HttpEngine, HttpEngineOptions, worker_timeout
+from refit_grpc.shim.engines.http_engine import (
+    HttpEngine,
+    HttpEngineOptions,
+    StagePoll,
+    UpdateCall,
+)
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire.vllm import (
     STAGE_OP_DROP,
@@ -101,15 +106,14 @@ class VLLMEngine(HttpEngine):
     admin_routes = "vLLM's admin routes"
     reached = "engine"
     teardown_route = "shutdown_weight_transfer_engine"
+    update_route = "update_weights"
     options: VLLMOptions
 
     def __init__(self, url: str | None = None, packing: Packing = Packing(), *,
                  options: VLLMOptions | None = None, **fields: Any):
         super().__init__(url, packing, options=options, **fields)
         self.check_names = self.options.check_names
-        self._busy = 0                # init/update calls in flight (the EngineCore is inside one)
         self._world_size: int | None = None
-        self._backend = "gloo"
         self._model_name: str | None = None  # /v1/models id, for the canary's request
 
     # --- the engine interface --------------------------------------------------------------
@@ -133,7 +137,7 @@ class VLLMEngine(HttpEngine):
         # /is_paused is answered by the EngineCore itself, so an answer proves it alive: one
         # request instead of two on the refit path. While a weight RPC runs, the EngineCore
         # cannot answer it; /health (answered by the API server) decides then, or on failure.
-        if not self._busy:
+        if not self._weight_calls:
             try:
                 body = self._http.call("GET", "/is_paused", None, what="is_paused",
                                        cap_s=self.status_timeout_s)
@@ -217,127 +221,67 @@ class VLLMEngine(HttpEngine):
         """vLLM's workers join the group, not this process: whether they can use `backend` is
         theirs to say (/init_weight_transfer_engine fails with their reason)."""
 
-    def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:
+    def _check_group(self, spec: GroupSpec, plan: RefitPlan) -> None:
         if spec.backend == "nccl":
             problem = nccl_misalignment(plan)
             if problem:
                 raise InvalidPlanError(f"vLLM's nccl receiver cannot unpack this plan: {problem}"
                                        "; reorder the tensors (larger element sizes first)",
                                        reason=Reason.UNALIGNED_FOR_NCCL)
-        self._join_teardown(deadline)
-        self._shutdown_transfer(deadline, end_stale_update=True)
-        left = deadline.check("init_weight_transfer_engine")
-        info = init_info_for(spec, plan, worker_timeout(left))
-        with self._lock:
-            self._busy += 1
-        try:
-            self._http.call("POST", "/init_weight_transfer_engine", deadline, kind=CallKind.JOIN,
-                            what="init_weight_transfer_engine", body={"init_info": info},
-                            cap_s=math.inf, extra_s=1.0, watch=deadline)
-        finally:
-            with self._lock:
-                self._busy -= 1
-        with self._lock:
-            self._backend, self._group = spec.backend, spec
 
-    def receive(self, plan: RefitPlan, deadline: Deadline,
-                on_bucket: Callable[[Bucket], None]) -> None:
-        def info(left_s: float, abort_key: str | None) -> dict[str, Any]:
-            return update_info_for(plan, self._backend, worker_timeout(left_s), abort_key)
+    def _post_join(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline,
+                   timeout_s: float) -> None:
+        self._http.call("POST", "/init_weight_transfer_engine", deadline, kind=CallKind.JOIN,
+                        what="init_weight_transfer_engine",
+                        body={"init_info": init_info_for(spec, plan, timeout_s)},
+                        cap_s=math.inf, extra_s=1.0, watch=deadline)
 
-        self._update(deadline, info, "update_weights")
-        for bucket in plan.buckets:
-            on_bucket(bucket)
+    def _open_update(self, deadline: Deadline, gen: int, what: str) -> None:
+        """/start_weight_update: from here vLLM's layerwise session may move layers (touched);
+        an abort that came meanwhile ends the session with nothing loaded."""
+        self._check_live(deadline, gen, "start_weight_update")
+        self._set_touched(True)
+        self._start_update(deadline)
+        if deadline.cancel.is_set() or gen != self._http.generation:
+            self._end_untouched_session()
+            raise EpochAbortedError("aborted before /update_weights", reason=Reason.EPOCH_ABORTED)
 
-    def _update(self, deadline: Deadline, info: Callable[[float, str | None], dict[str, Any]],
-                what: str, *, network: bool = True) -> None:
-        """One weight-update session: /start_weight_update, the blocking /update_weights whose
-        update_info is `info(seconds left, abort key)` (a receive, or with `network=False` a
-        flip's load of the staged copy, which needs no abort key: it reads host memory),
-        watched for aborts. The caller commits with /finish_weight_update."""
-        gen = self._http.generation
-        with self._lock:
-            self._receiving, self._touched = True, False
-            self._busy += 1
-        try:
-            self._check_live(deadline, gen, "start_weight_update")
-            with self._lock:
-                self._touched = True  # from here vLLM's layerwise session may move layers
-            self._start_update(deadline)
-            if deadline.cancel.is_set() or gen != self._http.generation:
-                self._end_untouched_session()
-                raise EpochAbortedError("aborted before /update_weights", reason=Reason.EPOCH_ABORTED)
-            left = deadline.check(what)
-            group = self._group
-            abort_key = self._abort_key(group) if network and self._backend == "gloo" else None
-            update = info(left, abort_key)
-            self._watched_receive(
-                lambda on_cancel: self._http.call(
-                    "POST", "/update_weights", deadline, kind=CallKind.RECEIVE,
-                    what=what, body={"update_info": update}, cap_s=math.inf,
-                    extra_s=1.0, watch=deadline, gen=gen, on_cancel=on_cancel),
-                what, deadline, gen, group, abort_key)
-        finally:
-            with self._lock:
-                self._busy -= 1
-                self._receiving = False
+    def _post_update(self, call: UpdateCall) -> None:
+        """/update_weights: a receive from the group, or with `source: "staged"` a flip's load
+        of the workers' staged copies (the receive's own loader)."""
+        if call.staged_digest is None:
+            info = update_info_for(call.plan, self._backend, call.timeout_s, call.abort_key)
+        else:
+            info = flip_info_for(call.plan, call.timeout_s, call.staged_digest)
+        self._http.call("POST", "/update_weights", call.deadline, kind=CallKind.RECEIVE,
+                        what=self.update_route if call.staged_digest is None
+                        else f"{self.update_route}(staged)",
+                        body={"update_info": info}, cap_s=math.inf, extra_s=1.0,
+                        watch=call.deadline, gen=call.gen, on_cancel=call.on_cancel)
+
+    def _abort_key(self, group: GroupSpec | None) -> str | None:
+        """Only the project's gloo backend polls an abort key; vLLM's nccl backend has none."""
+        return super()._abort_key(group) if self._backend == "gloo" else None
 
     def _post_finish(self, version: int, deadline: Deadline) -> None:
         self._http.call("POST", "/finish_weight_update", deadline, what="finish_weight_update",
                         body={"weight_version": str(version)})
 
-    def _teardown(self, deadline: Deadline) -> None:
-        self._shutdown_transfer(deadline, end_stale_update=False)
+    def _post_teardown(self, deadline: Deadline, *, before_join: bool = False) -> None:
+        self._shutdown_transfer(deadline, end_stale_update=before_join)
 
     # --- staged epochs ---------------------------------------------------------------------
 
-    def stage(self, plan: RefitPlan, deadline: Deadline,
-              on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
-        """Start every worker's background receive into its staged copy (POST /collective_rpc,
-        returns at once), then poll them until every bucket landed everywhere. The engine is
-        not paused and its weights are not touched; every worker stages the whole plan (each
-        TP rank receives every byte, as in place), and their staged digests must agree.
+    def _start_stage(self, plan: RefitPlan, deadline: Deadline, timeout_s: float,
+                     delta: bool) -> tuple[list[StageStatus], StagePoll]:
+        """POST /collective_rpc "stage": every worker starts its receive into its staged copy
+        and answers at once; the poll is the same route with "stage_status"."""
+        update = update_info_for(plan, "gloo", timeout_s)
+        return (self._stage_rpc(STAGE_OP_START, deadline, update),
+                lambda d: self._stage_rpc(STAGE_OP_STATUS, d))
 
-        Returns:
-            The staged digest.
-
-        Raises:
-            RefitError: a worker's receive failed (its reason where it knew one), the workers
-                disagree, or the stage was aborted or ran out of time; nothing is staged then.
-        """
-        self._join_drop(deadline)
-        gen = self._http.generation
-        with self._lock:
-            self._staged = None
-        left = deadline.check("stage")
-        update = update_info_for(plan, "gloo", worker_timeout(left))
-        statuses = self._stage_rpc(STAGE_OP_START, deadline, update)
-        digest = self._await_staged(plan, deadline, on_bucket, gen, statuses,
-                                    lambda d: self._stage_rpc(STAGE_OP_STATUS, d))
-        with self._lock:
-            self._staged = (plan, digest)
-        return digest
-
-    def flip(self, version: int, deadline: Deadline) -> str:
-        """Load the staged copy into the live weights through the in-place receive's own
-        session (/start_weight_update, /update_weights with `source: "staged"`, whose worker
-        side is the same loader: layerwise reload, tied heads, MoE experts), then commit
-        `version` (/finish_weight_update). Called while paused."""
-        with self._lock:
-            staged = self._staged
-        if staged is None:
-            raise FailedPreconditionError("flip: nothing is staged on this engine",
-                                          reason=Reason.NOT_STAGED)
-        plan, digest = staged
-        self._update(deadline, lambda left, _key: flip_info_for(plan, worker_timeout(left),
-                                                               digest),
-                     "update_weights(staged)", network=False)
-        with self._lock:
-            self._staged = None  # the workers consumed their copies
-        return self.finish(version, deadline)
-
-    def _post_drop_staged(self, deadline: Deadline) -> None:
-        self._stage_rpc(STAGE_OP_DROP, deadline)
+    def _post_drop_staged(self, deadline: Deadline) -> list[StageStatus] | None:
+        return self._stage_rpc(STAGE_OP_DROP, deadline)
 
     def _stage_rpc(self, op: str, deadline: Deadline,
                    update: dict[str, Any] | None = None) -> list[StageStatus]:
@@ -357,13 +301,10 @@ class VLLMEngine(HttpEngine):
         try:
             if not isinstance(results, list) or not results:
                 raise ValueError(f"no results: {body!r:.200}")
-            statuses = [StageStatus.from_wire(r) for r in results]
+            return [StageStatus.from_wire(r) for r in results]
         except (TypeError, ValueError) as e:
             raise RefitError(f"{op}: the workers' answer is unreadable ({e})",
                              reason=Reason.ENGINE_ERROR) from e
-        with self._lock:
-            self._staging_bytes = sum(s.staging_bytes for s in statuses)
-        return statuses
 
     # --- the canary ------------------------------------------------------------------------
 
@@ -428,8 +369,7 @@ class VLLMEngine(HttpEngine):
         try:
             self._http.call("POST", "/finish_weight_update", Deadline(self.request_timeout_s),
                             what="finish (aborted session)")
-            with self._lock:
-                self._touched = False
+            self._set_touched(False)
         except RefitError as e:
             log.warning("could not end the aborted weight-update session: %s", e)
 
@@ -444,11 +384,6 @@ class VLLMEngine(HttpEngine):
             self._http.call("POST", "/finish_weight_update", deadline, what="finish (stale session)")
             self._http.call("POST", "/shutdown_weight_transfer_engine", deadline,
                             what="shutdown_weight_transfer_engine")
-
-    def _check_live(self, deadline: Deadline, gen: int, what: str) -> None:
-        deadline.check(what)
-        if gen != self._http.generation:
-            raise EpochAbortedError(f"{what}: aborted", reason=Reason.EPOCH_ABORTED)
 
     def _refresh_world_size(self) -> None:
         try:
