@@ -50,7 +50,7 @@ def test_every_rpc_has_one_admission_and_every_handler_asks_it():
     rpcs = [m.name for m in pb.DESCRIPTOR.services_by_name["RefitService"].methods]
     assert sorted(ADMISSIONS) == sorted(rpcs)
     source = inspect.getsource(RefitServicer)
-    assert [rpc for rpc in rpcs if f'_admit_locked("{rpc}"' not in source] == []
+    assert [rpc for rpc in rpcs if f'.admit_locked("{rpc}"' not in source] == []
     # Each long operation is held by exactly the RPC it is named after.
     assert {rpc: a.holds for rpc, a in ADMISSIONS.items() if a.holds} == \
         {busy.value: busy for busy in Busy}

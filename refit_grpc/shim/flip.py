@@ -1,0 +1,107 @@
+"""A staged version's Flip on the shim: which staged version a Flip may load, and the load itself
+(pause, the engine's flip, the canary, caches cleared, resume), which CatchUp runs too once a
+peer's copy landed. The facts it changes are `ShimCore`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from refit_grpc.common import Deadline, PauseMode
+from refit_grpc.errors import EpochAbortedError, FailedPreconditionError, RefitError
+from refit_grpc.proto import pb
+from refit_grpc.reasons import Reason
+from refit_grpc.shim.canary import score_canary
+from refit_grpc.shim.core import ShimCore, StagedVersion
+
+log = logging.getLogger(__name__)
+
+
+def take_staged_locked(core: ShimCore, request: pb.FlipRequest) -> tuple[StagedVersion, bool]:
+    """The staged version a Flip names, taken (its timer stopped), and whether its digest is
+    the trainer's. Refusals before that change nothing; a digest other than the staged one
+    drops the copy (`refuse_mismatch`): those bytes are not what the trainer sent."""
+    staged = core.staged
+    if staged is None:
+        why = f" (last error: {core.last_error})" if core.last_error else ""
+        raise FailedPreconditionError(
+            f"nothing staged to flip in state {pb.ShimState.Name(core.state_locked())}{why}",
+            reason=Reason.NOT_STAGED)
+    if request.version != staged.version:
+        raise FailedPreconditionError(
+            f"Flip of version {request.version}, staged is {staged.version}",
+            reason=Reason.STAGED_VERSION_MISMATCH)
+    core.take_staged_locked()
+    if request.staged_digest != staged.digest:
+        core.last_error = f"STAGED_DIGEST_MISMATCH: staged version {staged.version} dropped"
+        return staged, False
+    return staged, True
+
+
+def refuse_mismatch(core: ShimCore, staged: StagedVersion,
+                    trainers: str) -> FailedPreconditionError:
+    """Drop the engine's staged copy whose digest is not the trainer's; the error to raise."""
+    core.engine.drop_staged()
+    return FailedPreconditionError(
+        f"staged digest {staged.digest[:16]} != the trainer's {trainers[:16]!r}: the bytes this "
+        f"engine staged are not the ones sent; version {staged.version} dropped, serving "
+        f"{core.version}", reason=Reason.STAGED_DIGEST_MISMATCH)
+
+
+def load(core: ShimCore, staged: StagedVersion, mode: PauseMode, stay_paused: bool,
+         deadline: Deadline, *, resume_paused: bool = False) -> pb.FlipResponse:
+    """Pause, load the staged copy, (canary,) clear caches, resume. `resume_paused`: resume even
+    an engine that was paused before (a BROKEN one that a catch-up made whole)."""
+    engine = core.engine
+    was_paused = engine.is_paused() and not resume_paused
+    t_pause = time.monotonic()
+    try:
+        engine.pause(mode, deadline)
+    except RefitError:
+        # Not paused, nothing loaded: the engine serves the old version, whole.
+        engine.drop_staged()
+        raise
+    digest, load_s = _load_or_break(core, staged, deadline)
+    canary_result = score_canary(engine, staged.canary, deadline) if staged.canary else None
+    with core.lock:
+        core.commit_locked(staged.version, canary_result)
+    # The caches hold values computed with the old weights.
+    engine.reset_cache(deadline)
+    resumed = not stay_paused and not was_paused
+    if resumed:
+        engine.resume(deadline)
+    stall = time.monotonic() - t_pause
+    with core.lock:
+        core.last_stall_s = stall
+    log.info("flipped to version %d: stall %.3fs (load %.3fs)", staged.version, stall, load_s)
+    return pb.FlipResponse(version=staged.version, stall_seconds=stall, load_seconds=load_s,
+                           weights_digest=digest, canary=canary_result, resumed=resumed)
+
+
+def _load_or_break(core: ShimCore, staged: StagedVersion,
+                   deadline: Deadline) -> tuple[str, float]:
+    """The engine's flip and its seconds (then the digest the epoch asked for); a failure
+    leaves the weights partly loaded: BROKEN, paused until a full update, the group torn
+    down."""
+    engine = core.engine
+    try:
+        t_load = time.monotonic()
+        digest = engine.flip(staged.version, deadline)
+        load_s = time.monotonic() - t_load
+        if staged.verify_weights and not digest:
+            digest = engine.weights_digest(deadline)
+        return digest, load_s
+    except BaseException as e:
+        with core.lock:
+            core.weights_intact = False  # partly loaded: paused until a full update
+            core.group = None
+        engine.abort_transfer()
+        log.error("flip of version %d failed: %s", staged.version, e)
+        if isinstance(e, RefitError):
+            raise
+        raise EpochAbortedError(f"flip of version {staged.version} failed: "
+                                f"{type(e).__name__}: {e}", reason=Reason.FLIP_FAILED) from e
+
+
+__all__ = ["load", "refuse_mismatch", "take_staged_locked"]
