@@ -177,6 +177,14 @@ class StagingCopy:
         with self._lock:
             self._digest, self._live_version = None, 0
 
+    def drop_pending(self) -> None:
+        """Forget a copy that is not (yet) the live weights: a staged epoch dropped before its
+        flip. A committed copy (`live_version`) is kept: it is still what the engine serves,
+        a delta's base and what a catch-up is served from."""
+        with self._lock:
+            if not self._live_version:
+                self._digest = None
+
     def release(self) -> None:
         """Give the memory back (the engine closes)."""
         with self._lock:

@@ -13,7 +13,7 @@ from refit_grpc import Fleet, Packing, WorkerEndpoint
 from refit_grpc.delta import Encoding, apply, encode
 from refit_grpc.driver.endpoint import WorkerEndpoint as Endpoint
 from refit_grpc.driver.failures import failure_from_rpc
-from refit_grpc.plan import weights_digest
+from refit_grpc.plan import RefitPlan, weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.service import ShimConfig
@@ -149,3 +149,32 @@ def test_a_delta_goes_only_onto_the_trainers_base(fleet_of_two):
     assert shims[0].describe().state == pb.SHIM_STATE_READY
     with pytest.raises(ValueError, match="staged"):
         fleet.refit(link, v3, delta=True)
+
+
+def test_the_committed_copy_wire_round_trips_and_refuses_what_a_worker_could_not_use():
+    """What the shim sends a vLLM or Dynamo worker for a delta stage, a flip that keeps its copy
+    and a catch-up serve (refit_grpc.wire.vllm), parsed as the worker parses it."""
+    from refit_grpc.common import GroupSpec
+    from refit_grpc.wire.vllm import GlooUpdateInfo, flip_info_for, update_info_for
+    from refit_grpc.wire.worker import SERVE_RUNNING, ServeInfo, StageStatus
+
+    plan = RefitPlan.from_state_dict_info({"w": ((4, 4), torch.bfloat16)}, Packing(64, 2))
+    flip = GlooUpdateInfo(**flip_info_for(plan, 5.0, "d" * 64, version=7))
+    assert (flip.version, flip.source, flip.delta) == (7, "staged", None)
+    staged = GlooUpdateInfo(**{**update_info_for(plan, "gloo", 5.0), "delta": True})
+    assert staged.delta and staged.plan(plan.packing).digest == plan.digest
+    with pytest.raises(ValueError, match="delta is received"):
+        GlooUpdateInfo(**{**flip_info_for(plan, 5.0, "d" * 64), "delta": True})
+    with pytest.raises(ValueError, match="staged flip"):
+        GlooUpdateInfo(**{**update_info_for(plan, "gloo", 5.0), "version": 3})
+    serve = ServeInfo.for_group(GroupSpec("127.0.0.1", 4242, 3, 0, "gloo", "cu-1"), 9.0)
+    assert ServeInfo(**serve.to_wire()).spec() == GroupSpec("127.0.0.1", 4242, 3, 0, "gloo",
+                                                             "cu-1")
+    for bad in ({"world_size": 1}, {"master_port": 0}, {"timeout_s": 0}):
+        with pytest.raises(ValueError):
+            ServeInfo(**{**serve.to_wire(), **bad})
+    status = StageStatus(rank=0, state="idle", committed_version=7, committed_digest="d" * 64,
+                         serve_state=SERVE_RUNNING, served=3)
+    assert StageStatus.from_wire(status.to_wire()) == status
+    with pytest.raises(ValueError, match="serve state"):
+        StageStatus.from_wire({**status.to_wire(), "serve_state": "dancing"})

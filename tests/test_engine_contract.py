@@ -23,6 +23,7 @@ import torch
 from refit_grpc.canary import FP32_TOLERANCE, teacher_forced_logprobs
 from refit_grpc.collective import Group, Sender, bind_master_store
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
+from refit_grpc.delta import flat_copy, send_delta
 from refit_grpc.errors import EpochAbortedError, RefitError, RefitTimeoutError
 from refit_grpc.plan import Bucket, Packing, RefitPlan, weights_digest
 from refit_grpc.reasons import Reason
@@ -442,6 +443,128 @@ def test_a_catch_up_lands_a_peers_committed_copy_and_the_flip_loads_it(subject):
         assert peer.committed_copy == (1, copy_digest)  # serving only read it
     finally:
         peer.close()
+
+
+def stage_and_flip(engine: Engine, plan: RefitPlan, weights: dict[str, torch.Tensor],
+                   version: int, base: torch.Tensor | None = None) -> str:
+    """A staged epoch of `weights` into `engine` (a delta against `base`, the sender's last
+    version in plan layout, when given; updated in place), flipped at `version` and resumed;
+    returns the staged digest, which is the trainer's."""
+    joined = form_group(engine, plan)
+    box: dict = {}
+    try:
+        def stage() -> None:
+            try:
+                box["digest"] = engine.stage(plan, Deadline(EPOCH_S), lambda b: None,
+                                             delta=base is not None)
+            except BaseException as e:  # noqa: BLE001  (asserted below)
+                box["error"] = e
+
+        thread = threading.Thread(target=stage, daemon=True, name="contract-stage")
+        thread.start()
+        checksums = StagedDigest(plan)
+        if base is None:
+            Sender(joined.trainer, plan).send(weights, Deadline(EPOCH_S), checksums=checksums)
+        else:
+            box["stats"] = send_delta(joined.trainer, plan, weights, base, Deadline(EPOCH_S),
+                                      checksums.add)
+        thread.join(EPOCH_S)
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+        assert box["digest"] == checksums.hexdigest()
+    finally:
+        joined.trainer.close()
+    engine.abort_transfer()
+    engine.pause(PauseMode.KEEP, Deadline(STEP_S))
+    engine.flip(version, Deadline(EPOCH_S))
+    assert engine.reset_cache(Deadline(STEP_S))
+    engine.resume(Deadline(STEP_S))
+    if "stats" in box:
+        stats = box["stats"]
+        print(f"\n{engine.kind}: delta epoch, {stats.sparse_buckets}/{stats.buckets} buckets "
+              f"sparse, {stats.wire_bytes} of {stats.bytes} bytes on the wire")
+    return box["digest"]
+
+
+def test_a_delta_epoch_applies_onto_the_committed_copy(subject):
+    """The copy a flip loaded stays as the engine's committed copy (`committed_copy`: the
+    flip's version and staged digest). A delta epoch (`stage(..., delta=True)`, only what
+    changed on the wire) applies onto it: its staged digest is a full epoch's of the new
+    weights, the engine serves the old ones until the flip, and the flip loads the new ones.
+    An engine that keeps no committed copy says so (DELTA_BASE_MISMATCH, nothing staged)."""
+    engine, plan = subject.engine, subject.plan()
+    if not engine.capabilities.staging:
+        pytest.skip(f"the {engine.kind} engine cannot stage (STAGING_UNSUPPORTED, checked above)")
+    assert engine.capabilities.delta
+    joined = form_group(engine, plan)
+    try:  # a fresh engine (as the shim constructs one) holds no committed copy yet
+        with pytest.raises(RefitError) as refused:
+            engine.stage(plan, Deadline(STEP_S), lambda b: None, delta=True)
+        assert refused.value.reason == Reason.DELTA_BASE_MISMATCH, refused.value
+    finally:
+        joined.trainer.close()
+    engine.abort_transfer()
+    old = perturbed(subject.base, seed=11)
+    old_version = next(_versions)
+    old_digest = stage_and_flip(engine, plan, old, old_version)
+    assert engine.committed_copy == (old_version, old_digest)
+    subject.holds(plan, old, old_version)
+    # A small step: one element in 97 of every floating tensor moves (most words unchanged).
+    new = {n: t.clone() for n, t in old.items()}
+    for t in new.values():
+        if t.is_floating_point():
+            t.view(-1)[::97] += 0.25
+    base = flat_copy(plan, old)
+    new_version = next(_versions)
+    new_digest = stage_and_flip(engine, plan, new, new_version, base=base)
+    assert new_digest != old_digest
+    assert engine.committed_copy == (new_version, new_digest)
+    subject.holds(plan, new, new_version)
+
+
+def test_the_committed_copy_serves_a_catch_up(subject):
+    """Catch-up from this engine (docs/protocol.md): after a staged epoch it serves its
+    committed copy (`serve_copy`, rank 0 of a group whose rendezvous the caller hosts) to a
+    newcomer while it keeps serving; the newcomer stages exactly those bytes (the staged
+    digest is the copy's) and the engine's own copy and weights are untouched."""
+    engine, plan = subject.engine, subject.plan()
+    if not engine.capabilities.staging:
+        pytest.skip(f"the {engine.kind} engine cannot stage (STAGING_UNSUPPORTED, checked above)")
+    assert engine.capabilities.serving_copy
+    weights = perturbed(subject.base, seed=12)
+    version = next(_versions)
+    digest = stage_and_flip(engine, plan, weights, version)
+    newcomer = ReferenceEngine(model=None)
+    try:
+        group_id = f"catch-up-{uuid.uuid4().hex[:8]}"
+        store = bind_master_store("127.0.0.1", 0, 2, STEP_S)
+        box: dict = {}
+        sent: list[Bucket] = []
+
+        def serve() -> None:
+            try:
+                engine.serve_copy(GroupSpec("127.0.0.1", store.port, 2, 0, "gloo", group_id),
+                                  store, Deadline(EPOCH_S), sent.append)
+            except BaseException as e:  # noqa: BLE001  (asserted below)
+                box["error"] = e
+
+        server = threading.Thread(target=serve, daemon=True, name="contract-serve")
+        server.start()
+        newcomer.init_transfer(GroupSpec("127.0.0.1", store.port, 2, 1, "gloo", group_id),
+                               plan, Deadline(STEP_S))
+        assert not engine.status().paused  # serving a copy never pauses the engine
+        assert newcomer.stage(plan, Deadline(EPOCH_S), lambda b: None) == digest
+        server.join(EPOCH_S)
+        assert not server.is_alive() and "error" not in box, box.get("error")
+        assert sorted(b.index for b in sent) == [b.index for b in plan.buckets]
+        newcomer.abort_transfer()
+        newcomer.pause(PauseMode.KEEP, Deadline(STEP_S))
+        newcomer.flip(1, Deadline(STEP_S))
+        for spec in plan.tensors:
+            assert torch.equal(newcomer.tensor(spec.name), weights[spec.name]), spec.name
+        assert engine.committed_copy == (version, digest)  # serving only read it
+        subject.holds(plan, weights, version)
+    finally:
+        newcomer.close()
 
 
 def test_the_canary_is_computed_with_the_new_weights_before_the_engine_serves(subject):

@@ -207,6 +207,16 @@ def next_version(trainer: dict) -> tuple[int, dict]:
     return trainer["version"] + 1, to_send(trainer["model"])
 
 
+def next_sparse_version(trainer: dict, every: int = 100) -> tuple[int, dict]:
+    """A step that moves one element in `every` of each weight (what a delta epoch is for:
+    most words unchanged); the version it makes and what it sends."""
+    with torch.no_grad():
+        for p in trainer["model"].parameters():
+            flat = p.data.view(-1)
+            flat[::every] += 0.05 * torch.randn(flat[::every].shape, generator=trainer["gen"])
+    return trainer["version"] + 1, to_send(trainer["model"])
+
+
 def plan_of(tensors: dict) -> RefitPlan:
     return RefitPlan.from_state_dict_info(info(tensors), PACKING)
 
@@ -565,6 +575,75 @@ def test_a_vllm_engine_joins_the_fleet_by_catching_up_from_a_peer(server, traine
         fleet.close()
         assert shim.stop() is not None
         assert peer.stop() is not None
+
+
+def test_a_vllm_engine_takes_delta_epochs_and_serves_a_catch_up(server, trainer):
+    """(f) The copy a flip loaded stays on vLLM's workers as the engine's committed copy
+    (Describe says its version and digest): a staged `refit(..., delta=True)` sends only what
+    changed (`report.delta`, wire bytes far below the plan's) and the flip loads the result,
+    whose log-probabilities equal transformers'; then a newcomer (a reference-engine shim in
+    store mode, its own process) catches up from the vLLM engine's committed copy, the vLLM
+    engine serving the bytes while it keeps serving requests; the next delta epoch goes to
+    both."""
+    shim = spawn_shim("--engine", "vllm", "--engine-url", server.url, "--instance-id",
+                      "vllm-serves", "--buffer-size-bytes", str(PACKING.buffer_size_bytes),
+                      "--num-buffers", str(PACKING.num_buffers), "--max-epoch-s", str(EPOCH_S))
+    newcomer = spawn_shim("--model", "none", "--instance-id", "newcomer",
+                          "--buffer-size-bytes", str(PACKING.buffer_size_bytes),
+                          "--num-buffers", str(PACKING.num_buffers))
+    fleet = Fleet([WorkerEndpoint(shim.instance_id, shim.address)], packing=PACKING,
+                  control_timeout_s=STEP_S, join_timeout_s=EPOCH_S, epoch_timeout_s=EPOCH_S)
+    link = None
+    try:
+        version, tensors = next_version(trainer)
+        fleet.prepare(info(tensors))
+        link = fleet.connect("127.0.0.1")
+        # delta=True from the first epoch: it goes whole (no base yet) and the trainer keeps
+        # what it sent as the next one's base.
+        full = fleet.refit(link, tensors, version=version, mode="staged", delta=True)
+        assert not full.delta and full.wire_bytes == full.bytes, full
+        trainer["version"] = version
+        d = describe(shim.address)
+        assert d.committed_copy_version == version and d.committed_copy_digest, d
+
+        version, tensors = next_sparse_version(trainer)
+        delta = fleet.refit(link, tensors, version=version, mode="staged", delta=True)
+        assert delta.delta, delta
+        trainer["version"] = version
+        assert delta.wire_bytes < 0.2 * delta.bytes, (delta.wire_bytes, delta.bytes)
+        assert_serves(server.url, trainer["model"], f"v{version} after a delta epoch")
+        d = describe(shim.address)
+        assert d.committed_copy_version == version, d
+        print(f"\nvLLM delta epoch: {delta.wire_bytes / 2**20:.2f} of "
+              f"{delta.bytes / 2**20:.2f} MiB on the wire ({delta.wire_bytes / delta.bytes:.2f}"
+              f"x; the full epoch before: {full.wire_bytes / 2**20:.2f} MiB), stall "
+              f"{delta.stall_seconds * 1e3:.0f} ms")
+
+        fleet.add(WorkerEndpoint(newcomer.instance_id, newcomer.address))
+        caught = fleet.catch_up(newcomer.instance_id)
+        assert (caught.peer, caught.version) == ("vllm-serves", version), caught
+        assert caught.bytes == fleet.plan.total_bytes
+        n = describe(newcomer.address)
+        assert (n.weight_version, n.committed_copy_digest) == (
+            version, d.committed_copy_digest), n
+        assert_serves(server.url, trainer["model"], f"v{version} while it served a catch-up")
+        print(f"vLLM served a catch-up: {caught.bytes / 2**20:.1f} MiB in "
+              f"{caught.seconds * 1e3:.0f} ms (transfer {caught.transfer_seconds * 1e3:.0f} ms)")
+
+        version, tensors = next_sparse_version(trainer)
+        both = fleet.refit(link, tensors, version=version, mode="staged", delta=True)
+        assert both.delta, both
+        assert [w.instance_id for w in both.workers] == ["vllm-serves", "newcomer"], both
+        trainer["version"] = version
+        assert_serves(server.url, trainer["model"], f"v{version}, a delta to both")
+        assert describe(newcomer.address).committed_copy_digest == \
+            describe(shim.address).committed_copy_digest
+    finally:
+        if link is not None:
+            link.close()
+        fleet.close()
+        assert shim.stop() is not None
+        assert newcomer.stop() is not None
 
 
 # --- helpers of (c) ----------------------------------------------------------------------------

@@ -90,6 +90,71 @@ def test_two_tp_ranks_refit_to_the_trainers_log_probabilities(rig, trainer):
     assert sorted(tp_worker_pids(rig.server)) == ["TP0", "TP1"]
 
 
+def test_each_tp_rank_keeps_a_committed_copy_for_delta_epochs_and_catch_ups(rig, trainer):
+    """Staged epochs on TP=2: every TP worker keeps the copy its flip loaded (the whole plan:
+    each rank received every byte and loads its shard from it). A delta epoch applies onto
+    both copies and the flip loads each rank's shard of the result (log-probabilities equal
+    transformers'); then the engine serves a catch-up from its rank-0 worker's copy to a
+    newcomer (a reference-engine shim), which holds exactly the engine's committed copy."""
+    from refit_grpc import Fleet, WorkerEndpoint
+    from refit_grpc.plan import Packing
+    from refit_grpc.shim.process import spawn_shim
+
+    from support import describe
+    from vllm_support.truth import FP32_TOL, LR, engine_logprobs, hf_logprobs
+
+    model, gen = trainer["model"], trainer["gen"]
+    packing = Packing(128 * 1024, 2)
+    fleet = Fleet([WorkerEndpoint(rig.shim.instance_id, rig.shim.address)], packing=packing,
+                  engine_world_size=2, control_timeout_s=30, join_timeout_s=60,
+                  epoch_timeout_s=EPOCH_S)
+    newcomer = spawn_shim("--model", "none", "--instance-id", "tp-newcomer",
+                          "--buffer-size-bytes", str(packing.buffer_size_bytes),
+                          "--num-buffers", str(packing.num_buffers))
+    link = None
+
+    def serves(what: str) -> None:
+        gap = (engine_logprobs(rig.url) - hf_logprobs(model)).abs().max().item()
+        assert gap <= FP32_TOL, f"TP=2 {what}: vLLM differs from transformers by {gap:.4f}"
+
+    try:
+        sgd_step(model, LR, gen)
+        tensors = state_dict_to_send(model, with_lm_head=True)
+        fleet.prepare(info(tensors))
+        link = fleet.connect("127.0.0.1")
+        version = trainer["version"] + 1
+        fleet.refit(link, tensors, version=version, mode="staged", delta=True)
+        trainer["version"] = version
+        serves(f"v{version}, staged")
+
+        with torch.no_grad():  # one element in 100 moves: most words unchanged
+            for p in model.parameters():
+                p.data.view(-1)[::100] += 0.05
+        tensors = state_dict_to_send(model, with_lm_head=True)
+        version = trainer["version"] + 1
+        report = fleet.refit(link, tensors, version=version, mode="staged", delta=True)
+        assert report.delta and report.wire_bytes < 0.2 * report.bytes, report
+        trainer["version"] = version
+        serves(f"v{version}, a delta epoch")
+        d = describe(rig.shim.address)
+        assert d.committed_copy_version == version, d
+
+        fleet.add(WorkerEndpoint(newcomer.instance_id, newcomer.address))
+        caught = fleet.catch_up(newcomer.instance_id)
+        assert (caught.peer, caught.version) == ("tp2", version), caught
+        n = describe(newcomer.address)
+        assert (n.weight_version, n.committed_copy_digest) == (
+            version, d.committed_copy_digest), n
+        serves(f"v{version}, after serving a catch-up")
+        print(f"TP=2: delta epoch {report.wire_bytes / report.bytes:.2f}x the bytes; served a "
+              f"catch-up of {caught.bytes / 2**20:.1f} MiB in {caught.seconds * 1e3:.0f} ms")
+    finally:
+        if link is not None:
+            link.close()
+        fleet.close()
+        assert newcomer.stop() is not None
+
+
 def test_one_tp_worker_killed_mid_receive_fails_typed_and_nothing_half_applied_serves(
         rig, trainer):
     model = trainer["model"]

@@ -17,7 +17,16 @@ with `allow_unpaused` (the engine keeps serving):
     refit_grpc_stage(status_key, **update)  start the staged receive beside the engine loop
                                             (`layerwise.LayerwiseReceiver.stage`, the vLLM
                                             backend's own), answer at once
-    refit_grpc_drop_staged()                forget the copy, end a staged receive in flight
+    refit_grpc_drop_staged()                forget a pending copy, end a staged receive in
+                                            flight (a committed copy stays)
+
+and, for a catch-up served from this engine (docs/protocol.md, Catch-up from a peer):
+
+    refit_grpc_serve(status_key, **serve)   the engine's rank-0 worker broadcasts its committed
+                                            copy (the copy the last flip loaded) to the
+                                            newcomer's group, on a thread of its own; the
+                                            status goes to the catch-up's rendezvous store
+    refit_grpc_cancel_serve()               end a serve in flight
 
 Dynamo discards what a forwarded call returns, so a staged receive's progress, digest or error
 (`wire.worker.StageStatus`) is published by a thread of this worker to the trainer's TCPStore
@@ -60,13 +69,17 @@ from refit_grpc.wire.dynamo import (
     INIT_TIMEOUT_DEFAULT_S,
     INIT_TIMEOUT_ENV,
     join_limit_s,
+    serve_status_key,
     stage_status_key,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch.distributed as dist
 
     from refit_grpc.vllm_plugin.staged import StagedReceive
+    from refit_grpc.wire.worker import StageStatus
 
 log = logging.getLogger("vllm.refit_grpc")
 
@@ -161,8 +174,31 @@ class RefitGlooWorkerExtension:
         # (the shim sees why) instead of a receive whose status nobody can read.
         store = _store_client(receiver.info.master_address, receiver.info.master_port)
         status = receiver.stage(update)
-        _StatusPublisher(store, stage_status_key(status_key, status.rank), receiver.staged)
+        _StatusPublisher(store, stage_status_key(status_key, status.rank), receiver.staged,
+                         _stage_ended)
         return status.to_wire()
+
+    def refit_grpc_serve(self, status_key: str, **serve_info: Any) -> dict[str, Any]:
+        """Serve a catch-up from the committed copy (the engine's rank-0 worker; the others
+        only answer); returns at once, the serve's status is published under
+        `serve_status_key(status_key)` in the catch-up's rendezvous store until it ends."""
+        from refit_grpc.vllm_plugin.layerwise import worker_rank
+        from refit_grpc.wire.worker import ServeInfo
+
+        info = ServeInfo(**serve_info)
+        receiver = self._refit_grpc_receiver()
+        if worker_rank(self.parallel_config, 0) != 0:
+            return receiver.staged.status().to_wire()
+        store = _store_client(info.master_address, info.master_port)
+        status = receiver.serve(info, 0)
+        _StatusPublisher(store, serve_status_key(status_key), receiver.staged, _serve_ended)
+        return status.to_wire()
+
+    def refit_grpc_cancel_serve(self, **_: Any) -> dict[str, Any]:
+        receiver = getattr(self, "_refit_grpc_state", None)
+        if receiver is None:
+            return {"state": "idle"}
+        return receiver.staged.cancel_serve().to_wire()
 
     def refit_grpc_drop_staged(self, **_: Any) -> dict[str, Any]:
         """Forget the staged copy and end a staged receive in flight (its publisher reports
@@ -190,25 +226,38 @@ def _store_client(host: str, port: int) -> dist.Store:
                          timeout=datetime.timedelta(seconds=STORE_CONNECT_S))
 
 
-class _StatusPublisher:
-    """Publishes a staged receive's status to the trainer's store whenever it changes, until it
-    ended (staged, failed or dropped): the only way its progress reaches the shim through
-    Dynamo, whose routes return fixed bodies."""
+def _stage_ended(staged: StagedReceive, status: StageStatus) -> bool:
+    """A staged receive ended (staged, failed or dropped)."""
+    from refit_grpc.wire.worker import STAGE_RECEIVING
 
-    def __init__(self, store: dist.Store, key: str, staged: StagedReceive):
-        self._thread = threading.Thread(target=self._run, args=(store, key, staged),
+    return not staged.running and status.state != STAGE_RECEIVING
+
+
+def _serve_ended(staged: StagedReceive, status: StageStatus) -> bool:
+    """A serve of the committed copy ended (sent or failed)."""
+    from refit_grpc.wire.worker import SERVE_RUNNING
+
+    return status.serve_state != SERVE_RUNNING
+
+
+class _StatusPublisher:
+    """Publishes a worker's status (a staged receive's, or a serve's) to a store whenever it
+    changes, until `ended` says it is final: the only way its progress reaches the shim
+    through Dynamo, whose routes return fixed bodies."""
+
+    def __init__(self, store: dist.Store, key: str, staged: StagedReceive,
+                 ended: Callable[[StagedReceive, StageStatus], bool]):
+        self._thread = threading.Thread(target=self._run, args=(store, key, staged, ended),
                                         daemon=True, name="refit-stage-status")
         self._thread.start()
 
     @staticmethod
-    def _run(store: dist.Store, key: str, staged: StagedReceive) -> None:
+    def _run(store: dist.Store, key: str, staged: StagedReceive,
+             ended: Callable[[StagedReceive, StageStatus], bool]) -> None:
         import torch.distributed as dist
-
-        from refit_grpc.wire.worker import STAGE_RECEIVING
 
         last = None
         while True:
-            running = staged.running  # read first: a status read after it ended is final
             status = staged.status()
             if status != last:
                 try:
@@ -219,6 +268,6 @@ class _StatusPublisher:
                     log.warning("refit_grpc: staged status not published (%s)", e)
                     return
                 last = status
-            if not running and status.state != STAGE_RECEIVING:
+            if ended(staged, status):  # what was just published is final
                 return
             time.sleep(PUBLISH_POLL_S)

@@ -13,10 +13,12 @@ module maps vLLM's four phases onto it:
     update_weights(info)        LayerwiseReceiver.update (receive + load; rollback on failure)
     finish_weight_update()      LayerwiseReceiver.finish (finalize_layerwise_reload)
     shutdown()                  LayerwiseReceiver.close
-    __call__(op, payload)       a staged epoch's stage / stage_status / drop_staged, through
-                                vLLM's POST /collective_rpc (the receive runs on a thread of
-                                its own, beside the engine loop: `staged.py`); its flip is an
-                                update_weights whose update_info says source="staged"
+    __call__(op, payload)       a staged epoch's stage / stage_status / drop_staged, and a
+                                catch-up's serve_copy / cancel_serve, through vLLM's POST
+                                /collective_rpc (the receive and the serve run on threads of
+                                their own, beside the engine loop: `staged.py`); a flip is an
+                                update_weights whose update_info says source="staged" (the
+                                copy it loads stays as the engine's committed copy)
 
 The error of a failed update starts with `refit_grpc[applied=A/B]`: A buckets of B reached the
 model. With A == 0 the rollback restored every layer, so the weights are the old ones; the shim
@@ -45,12 +47,15 @@ from refit_grpc.vllm_plugin.layerwise import (  # noqa: F401  (TiedRoutes: re-ex
     worker_rank,
 )
 from refit_grpc.wire.vllm import (
+    STAGE_OP_CANCEL_SERVE,
     STAGE_OP_DROP,
+    STAGE_OP_SERVE,
     STAGE_OP_START,
     STAGE_OP_STATUS,
     GlooInitInfo,
     GlooUpdateInfo,
 )
+from refit_grpc.wire.worker import ServeInfo
 
 
 @dataclass(kw_only=True)
@@ -127,8 +132,9 @@ class RefitGlooWeightTransferEngine(
         the worker's engine loop keeps serving while the bytes arrive.
 
         Args:
-            op: `stage` (payload: the update_info of the plan), `stage_status` or
-                `drop_staged`.
+            op: `stage` (payload: the update_info of the plan), `stage_status`,
+                `drop_staged`, `serve_copy` (payload: a `ServeInfo`; the engine's rank-0
+                worker serves a catch-up from its committed copy) or `cancel_serve`.
             payload: JSON.
 
         Returns:
@@ -140,6 +146,11 @@ class RefitGlooWeightTransferEngine(
             status = self.receiver.staged.status()
         elif op == STAGE_OP_DROP:
             status = self.receiver.staged.drop()
+        elif op == STAGE_OP_SERVE:
+            info = ServeInfo(**json.loads(payload or "{}"))
+            status = self.receiver.serve(info, self.worker_rank(0))
+        elif op == STAGE_OP_CANCEL_SERVE:
+            status = self.receiver.staged.cancel_serve()
         else:
             raise ValueError(f"refit_grpc gloo: unknown operation {op!r}")
         return status.to_wire()

@@ -67,7 +67,7 @@ from refit_grpc.vllm_plugin.moe import ExpertsReprocessing
 from refit_grpc.vllm_plugin.staged import StagedReceive
 from refit_grpc.wire.vllm import SOURCE_STAGED, GlooInitInfo, GlooUpdateInfo
 from refit_grpc.wire.vllm import worker_rank as wire_worker_rank
-from refit_grpc.wire.worker import StageStatus, applied_marker
+from refit_grpc.wire.worker import ServeInfo, StageStatus, applied_marker
 
 log = logging.getLogger("vllm.refit_grpc")
 
@@ -97,6 +97,9 @@ class LayerwiseReceiver:
         self._tied: list[TiedHead] = []
         self._experts: ExpertsReprocessing | None = None
         self.staged = StagedReceive()  # a staged epoch's copy and its background receive
+        # A flip's version once its load succeeded: the copy becomes the committed copy when
+        # the session finishes (`finish`), not before (a failed finalize leaves none).
+        self._flipped: int | None = None
 
     @property
     def joined(self) -> bool:
@@ -140,7 +143,11 @@ class LayerwiseReceiver:
         drop the group after a failed receive (unusable: a peer left, or a receive is still
         posted) and raise a RuntimeError whose message starts with the applied marker."""
         self.applied, self.total = 0, 0
+        self._flipped = None
         staged = update_info.source == SOURCE_STAGED
+        if not staged:
+            # The live weights are about to change without the copy.
+            self.staged.forget_committed()
         try:
             if staged:
                 self._load_staged(update_info)
@@ -237,7 +244,7 @@ class LayerwiseReceiver:
                 deadline.check(f"load of staged bucket {bucket.index}")
                 apply(bucket, unpack(self.staged.copy.bucket_view(bucket),
                                      plan.tensors[bucket.start:bucket.stop]))
-        self.staged.consumed()
+        self._flipped = update_info.version or 0
         seconds = time.monotonic() - t0
         self.last_stats = {"buckets": len(plan.buckets), "bytes": plan.total_bytes,
                            "seconds": seconds, "rank": self.rank, "source": SOURCE_STAGED}
@@ -256,7 +263,16 @@ class LayerwiseReceiver:
                                "join the group first")
         plan = update_info.plan(info.packing)
         deadline = Deadline(update_info.timeout_s or info.timeout_s)
-        return self.staged.start(group, plan, deadline, self.rank, on_failure=group.close)
+        return self.staged.start(group, plan, deadline, self.rank, on_failure=group.close,
+                                 delta=bool(update_info.delta))
+
+    def serve(self, info: ServeInfo, engine_rank: int) -> StageStatus:
+        """A catch-up from this engine: its rank-0 worker broadcasts its committed copy to the
+        newcomer's group (`staged.StagedReceive.serve`); every worker holds the whole copy
+        (each TP rank received every byte), so one sends. The other workers only answer."""
+        if engine_rank == 0:
+            return self.staged.serve(info)
+        return self.staged.status()
 
     def _store(self, info: GlooInitInfo) -> dist.Store | None:
         """A client of the trainer's TCPStore, for abort keys (the group's own stays private)."""
@@ -275,11 +291,18 @@ class LayerwiseReceiver:
 
         for tie in self._tied:
             tie.expect_nothing_of_its_own()
+        flipped, self._flipped = self._flipped, None
         try:
             finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException:
+            if flipped is not None:
+                self.staged.committed(None)  # the live weights are not the copy's
+            raise
         finally:
             self._end_experts_reprocessing()
         self._refresh_tied_heads()
+        if flipped is not None:
+            self.staged.committed(flipped)
 
     def _refresh_tied_heads(self) -> None:
         for tie in self._tied:

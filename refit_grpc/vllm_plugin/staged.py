@@ -10,6 +10,15 @@ RPC) and returns; the worker's main thread goes back to its engine loop, and the
 buffers), each bucket's CRC-32 is folded into the staged digest as it lands, and the live weights
 are not touched: loading the copy is the flip's job (`LayerwiseReceiver`, `source="staged"`).
 
+The committed copy: the flip loads the copy into the model and leaves it as it was, so once the
+flip is finished (`committed`) the copy equals the live weights at the flip's version. It stays
+the engine's committed copy (one host copy, the same memory staging uses) until an in-place
+receive changes the live weights (`forget_committed`) or the next staged epoch overwrites it.
+Two things read it: a delta epoch (`start(..., delta=True)`: each bucket's delta is applied onto
+the committed copy, `refit_grpc.delta.receive_delta`, and the flip loads the result) and a
+catch-up (`serve`: the engine's rank-0 worker broadcasts the copy to a newcomer's group while
+the engine keeps serving; docs/protocol.md, Catch-up from a peer).
+
 Ending a staged receive early: `drop` sets its cancel flag (every wait of the receive notices it
 within `refit_grpc.common.CANCEL_POLL_S`), and `shutdown_weight_transfer_engine` closes the group
 (its pending waits fail at once). Unlike an in-place receive, no abort key is needed: the
@@ -22,21 +31,29 @@ Thread safety: `start`, `status`, `drop`, `take` and `consumed` run on the worke
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
-from refit_grpc.collective import Group, receive
+from refit_grpc.collective import Group, broadcast_buckets, receive
 from refit_grpc.common import Deadline
+from refit_grpc.delta import receive_delta
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
 from refit_grpc.staging import StagedDigest, StagingCopy
 from refit_grpc.wire.worker import (
+    SERVE_DONE,
+    SERVE_FAILED,
+    SERVE_RUNNING,
     STAGE_FAILED,
     STAGE_IDLE,
     STAGE_RECEIVING,
     STAGE_STAGED,
+    ServeInfo,
     StageStatus,
 )
 
@@ -66,6 +83,7 @@ class StagedReceive:
         self._error = ""
         self._reason = ""
         self.rank = -1
+        self._serve = _Serve()
 
     @property
     def running(self) -> bool:
@@ -74,7 +92,7 @@ class StagedReceive:
         return thread is not None and thread.is_alive()
 
     def start(self, group: Group, plan: RefitPlan, deadline: Deadline, rank: int,
-              on_failure: Callable[[], None]) -> StageStatus:
+              on_failure: Callable[[], None], delta: bool = False) -> StageStatus:
         """Start receiving `plan` from `group` into the copy; returns at once.
 
         Args:
@@ -83,29 +101,44 @@ class StagedReceive:
             deadline: when every bucket must have landed.
             rank: this worker's rank in the group (reported in the status).
             on_failure: runs on the receive's thread when it fails (closes the group).
+            delta: the buckets come as deltas against the committed copy, which must be laid
+                out by the same plan (the shim checked its digest is the trainer's base).
 
         Returns:
             The status right after the start (`STAGE_RECEIVING`).
 
         Raises:
-            RuntimeError: a staged receive is still running.
+            RuntimeError: a staged receive is still running, a serve reads the copy, or a
+                delta has no committed copy of this plan to apply to.
         """
         with self._lock:
             if self.running:
                 raise RuntimeError("refit_grpc gloo: a staged receive is still running; "
                                    "drop it first")
+            if self._serve.running:
+                raise RuntimeError("refit_grpc gloo: the committed copy is being served to a "
+                                   "peer; a staged receive would overwrite it")
+            if delta and not self._holds_committed(plan):
+                raise RuntimeError("refit_grpc gloo: a delta needs a committed copy of this "
+                                   "plan to apply to; this worker has none")
             self.copy.allocate(plan)  # kept when the plan is the same; invalid until complete
             self._plan, self._deadline, self.rank = plan, deadline, rank
             self._state, self._landed, self._digest = STAGE_RECEIVING, 0, ""
             self._error = self._reason = ""
-            thread = threading.Thread(target=self._run, args=(group, plan, deadline, on_failure),
+            thread = threading.Thread(target=self._run,
+                                      args=(group, plan, deadline, on_failure, delta),
                                       daemon=True, name="refit-staged-receive")
             self._thread = thread
         thread.start()
         return self.status()
 
+    def _holds_committed(self, plan: RefitPlan) -> bool:
+        held = self.copy.plan
+        return bool(self.copy.live_version and self.copy.digest and held is not None
+                    and held.digest == plan.digest)
+
     def _run(self, group: Group, plan: RefitPlan, deadline: Deadline,
-             on_failure: Callable[[], None]) -> None:
+             on_failure: Callable[[], None], delta: bool) -> None:
         digest = StagedDigest(plan)
         copy = self.copy
 
@@ -114,13 +147,18 @@ class StagedReceive:
             with self._lock:
                 self._landed = bucket.index + 1
 
-        log.info("refit_grpc gloo: rank %d staging %d buckets, %d bytes, beside the engine "
-                 "loop", self.rank, len(plan.buckets), plan.total_bytes)
+        log.info("refit_grpc gloo: rank %d staging %d buckets, %d bytes%s, beside the engine "
+                 "loop", self.rank, len(plan.buckets), plan.total_bytes,
+                 " as deltas onto the committed copy" if delta else "")
+        t0 = time.monotonic()
         try:
-            # Every bucket is received straight into its place in the copy (nothing serves
-            # from it, so from the first one): no bucket buffers, no unpacking.
-            stats = receive(group, plan, deadline, _never_applied, on_bucket,
-                            land=copy.bucket_view, land_from_first=True)
+            if delta:
+                receive_delta(group, plan, deadline, copy.bucket_view, on_bucket)
+            else:
+                # Every bucket is received straight into its place in the copy (nothing
+                # serves from it, so from the first one): no bucket buffers, no unpacking.
+                receive(group, plan, deadline, _never_applied, on_bucket,
+                        land=copy.bucket_view, land_from_first=True)
             staged = digest.hexdigest()
         except BaseException as e:  # noqa: BLE001  (reported through status, never lost)
             copy.invalidate()
@@ -136,26 +174,32 @@ class StagedReceive:
         with self._lock:
             self._state, self._digest = STAGE_STAGED, staged
         log.info("refit_grpc gloo: staged %d buckets, %d bytes in %.3fs, digest %s",
-                 stats.buckets, stats.bytes, stats.seconds, staged[:12])
+                 len(plan.buckets), plan.total_bytes, time.monotonic() - t0, staged[:12])
 
     def status(self) -> StageStatus:
         """What the staged receive is doing, or what it ended with."""
         with self._lock:
             plan = self._plan
+            committed = self.copy.live_version
+            serve = self._serve.snapshot()
             return StageStatus(rank=self.rank, state=self._state, landed=self._landed,
                                total=len(plan.buckets) if plan is not None else 0,
                                digest=self._digest, error=self._error, reason=self._reason,
-                               staging_bytes=self.copy.nbytes)
+                               staging_bytes=self.copy.nbytes,
+                               committed_version=committed,
+                               committed_digest=(self.copy.digest or "") if committed else "",
+                               serve_state=serve[0], served=serve[1], serve_error=serve[2])
 
     def drop(self) -> StageStatus:
-        """Forget the copy (its memory is kept) and end a receive in flight (cancelled; it
-        closes its group as it fails). Waits at most `DROP_WAIT_S` for the receive to end."""
+        """Forget a pending copy (its memory is kept; a committed copy stays) and end a
+        receive in flight (cancelled; it closes its group as it fails). Waits at most
+        `DROP_WAIT_S` for the receive to end."""
         with self._lock:
             thread, deadline = self._thread, self._deadline
         if thread is not None and thread.is_alive() and deadline is not None:
             deadline.cancel.set()
             thread.join(DROP_WAIT_S)
-        self.copy.invalidate()
+        self.copy.drop_pending()
         with self._lock:
             if not self.running:
                 self._state, self._digest, self._error, self._reason = STAGE_IDLE, "", "", ""
@@ -176,17 +220,134 @@ class StagedReceive:
                                f"not {staged_digest[:12]}")
         return plan
 
-    def consumed(self) -> None:
-        """The copy was loaded into the live weights: it is no longer a pending version (its
-        memory is kept for the next staged epoch)."""
-        self.copy.invalidate()
+    def committed(self, version: int | None) -> None:
+        """A flip loaded the copy into the live weights and finished: it is no longer a
+        pending version but the committed copy of `version` (None: a caller that does not
+        say which version, the copy is forgotten; its memory is kept either way)."""
+        if version:
+            self.copy.mark_live(version)
+        else:
+            self.copy.invalidate()
         with self._lock:
             self._state, self._digest = STAGE_IDLE, ""
 
+    def forget_committed(self) -> None:
+        """The live weights change without the copy (an in-place receive): it is no longer
+        the committed copy."""
+        self.copy.invalidate()
+
+    # --- catch-up: serving the committed copy to a newcomer -------------------------------
+
+    def serve(self, info: ServeInfo) -> StageStatus:
+        """Broadcast the committed copy to the newcomer's group as its rank 0, on a thread of
+        its own; returns at once (`status().serve_state` follows it). The shim hosts the
+        group's rendezvous; this worker connects to it.
+
+        Raises:
+            RuntimeError: no committed copy, a staged receive or another serve runs.
+        """
+        with self._lock:
+            if self.running:
+                raise RuntimeError("refit_grpc gloo: a staged receive is running; it is "
+                                   "overwriting the copy a catch-up would read")
+            plan = self.copy.plan
+            if not self.copy.live_version or not self.copy.digest or plan is None:
+                raise RuntimeError("refit_grpc gloo: this worker holds no committed copy to "
+                                   "serve")
+            self._serve.start(info, plan, self.copy.bucket_view)
+        return self.status()
+
+    def cancel_serve(self) -> StageStatus:
+        """End a serve in flight (its group closes; the newcomer's receive fails at once)."""
+        self._serve.cancel()
+        return self.status()
+
     def release(self) -> None:
-        """End any receive and give the copy's memory back (the engine shuts down)."""
+        """End any receive or serve and give the copy's memory back (the engine shuts
+        down)."""
+        self._serve.cancel()
         self.drop()
         self.copy.release()
+
+
+class _Serve:
+    """One serve of the committed copy at a time: its thread, its group and how it went.
+
+    The copy is not written meanwhile: `StagedReceive.start` refuses while a serve runs (and
+    the shim admits no epoch during a catch-up)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._deadline: Deadline | None = None
+        self._group: Group | None = None
+        self._state, self._served, self._error = "", 0, ""
+
+    @property
+    def running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def snapshot(self) -> tuple[str, int, str]:
+        with self._lock:
+            return self._state, self._served, self._error
+
+    def start(self, info: ServeInfo, plan: RefitPlan,
+              bucket_bytes: Callable[[Bucket], torch.Tensor]) -> None:
+        with self._lock:
+            if self.running:
+                raise RuntimeError("refit_grpc gloo: a serve of the committed copy is "
+                                   "already running")
+            deadline = Deadline(info.timeout_s)
+            self._deadline, self._state, self._served, self._error = (
+                deadline, SERVE_RUNNING, 0, "")
+            thread = threading.Thread(target=self._run, args=(info, plan, bucket_bytes, deadline),
+                                      daemon=True, name="refit-serve-copy")
+            self._thread = thread
+        thread.start()
+
+    def _run(self, info: ServeInfo, plan: RefitPlan,
+             bucket_bytes: Callable[[Bucket], torch.Tensor], deadline: Deadline) -> None:
+        def sent(bucket: Bucket) -> None:
+            with self._lock:
+                self._served = bucket.index + 1
+
+        t0 = time.monotonic()
+        try:
+            store = dist.TCPStore(info.master_address, info.master_port, is_master=False,
+                                  wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=min(info.timeout_s, 10.0)))
+            group = Group.join(info.spec(), deadline.check("catch-up rendezvous"), store=store,
+                               cancel=deadline.cancel)
+            with self._lock:
+                self._group = group
+            try:
+                broadcast_buckets(group, plan, bucket_bytes, deadline, sent)
+            finally:
+                with self._lock:
+                    self._group = None
+                group.close()
+        except BaseException as e:  # noqa: BLE001  (reported through status, never lost)
+            with self._lock:
+                self._state, self._error = SERVE_FAILED, f"{type(e).__name__}: {e}"[:800]
+            log.warning("refit_grpc gloo: serving the committed copy failed after %d buckets: "
+                        "%s", self._served, self._error)
+            return
+        with self._lock:
+            self._state = SERVE_DONE
+        log.info("refit_grpc gloo: served the committed copy, %d buckets, %d bytes in %.3fs",
+                 len(plan.buckets), plan.total_bytes, time.monotonic() - t0)
+
+    def cancel(self) -> None:
+        with self._lock:
+            deadline, group = self._deadline, self._group
+        if deadline is not None:
+            deadline.cancel.set()
+        if group is not None:
+            group.close()  # never blocks; the pending broadcasts fail at once
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            thread.join(DROP_WAIT_S)
 
 
 def _never_applied(bucket: Bucket, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:

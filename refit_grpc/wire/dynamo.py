@@ -16,6 +16,7 @@ from typing import Any
 from refit_grpc.common import GroupSpec
 from refit_grpc.plan import RefitPlan
 from refit_grpc.wire.vllm import flip_info_for, init_info_for, update_info_for
+from refit_grpc.wire.worker import ServeInfo
 
 # Routes, under {system_url}/engine/.
 LIVENESS = "liveness_probe"
@@ -41,6 +42,11 @@ WORKER_EXTENSION = "refit_grpc.vllm_plugin.dynamo_extension.RefitGlooWorkerExten
 # under `stage_status_key(status_key, rank)` in the trainer's TCPStore, where the shim reads it.
 STAGE_RPC = "refit_grpc_stage"
 DROP_STAGED_RPC = "refit_grpc_drop_staged"
+# Catch-up from this engine: the worker that is the engine's rank 0 broadcasts its committed copy
+# to the newcomer's group, publishing the serve's status under `serve_status_key(status_key)` in
+# the catch-up's rendezvous store (hosted by the shim, which reads it there).
+SERVE_RPC = "refit_grpc_serve"
+CANCEL_SERVE_RPC = "refit_grpc_cancel_serve"
 
 # Dynamo shuts the whole worker down (os._exit) when init_weights_update_group outlives this.
 INIT_TIMEOUT_ENV = "DYN_RL_INIT_WEIGHTS_TIMEOUT_S"
@@ -77,14 +83,18 @@ def destroy_body() -> dict[str, Any]:
     return {"engine_rpc": DESTROY_RPC}
 
 
-def stage_body(plan: RefitPlan, timeout_s: float, status_key: str) -> dict[str, Any]:
+def stage_body(plan: RefitPlan, timeout_s: float, status_key: str,
+               delta: bool = False) -> dict[str, Any]:
     """The body of the `update_weights_from_distributed` that starts every worker's staged
     receive (the extension's `refit_grpc_stage`, which returns at once): the plan as for an
     update, the key prefix its status goes to, and Dynamo's reserved keys for a call on an
     engine that keeps serving (`allow_unpaused`; then Dynamo requires the prefix cache kept,
     which the old weights still serve from)."""
-    return {**update_info_for(plan, "gloo", timeout_s), "status_key": status_key,
+    body = {**update_info_for(plan, "gloo", timeout_s), "status_key": status_key,
             "engine_rpc": STAGE_RPC, "allow_unpaused": True, "reset_prefix_cache": False}
+    if delta:
+        body["delta"] = True  # the buckets come as deltas against the committed copy
+    return body
 
 
 def drop_staged_body() -> dict[str, Any]:
@@ -93,12 +103,30 @@ def drop_staged_body() -> dict[str, Any]:
     return {"engine_rpc": DROP_STAGED_RPC, "allow_unpaused": True, "reset_prefix_cache": False}
 
 
-def flip_body(plan: RefitPlan, timeout_s: float, staged_digest: str) -> dict[str, Any]:
+def flip_body(plan: RefitPlan, timeout_s: float, staged_digest: str,
+              version: int | None = None) -> dict[str, Any]:
     """The body of a staged epoch's flip: an ordinary paused update (`update_weights_from_path`)
     whose update_info says `source: "staged"`, so the workers load their copies through the
-    in-place receive's own loader; Dynamo resets the prefix cache after it."""
-    return {**flip_info_for(plan, timeout_s, staged_digest), "engine_rpc": UPDATE_RPC,
+    in-place receive's own loader (with `version`, the copy stays as the committed copy of
+    that version); Dynamo resets the prefix cache after it."""
+    return {**flip_info_for(plan, timeout_s, staged_digest, version), "engine_rpc": UPDATE_RPC,
             "allow_unpaused": False, "reset_prefix_cache": True}
+
+
+def serve_body(info: ServeInfo, status_key: str) -> dict[str, Any]:
+    """The body of the `update_weights_from_distributed` that starts the serve of a catch-up
+    (the extension's `refit_grpc_serve`, which returns at once); the engine keeps serving."""
+    return {**info.to_wire(), "status_key": status_key, "engine_rpc": SERVE_RPC,
+            "allow_unpaused": True, "reset_prefix_cache": False}
+
+
+def cancel_serve_body() -> dict[str, Any]:
+    return {"engine_rpc": CANCEL_SERVE_RPC, "allow_unpaused": True, "reset_prefix_cache": False}
+
+
+def serve_status_key(status_key: str) -> str:
+    """Where the engine's rank-0 worker publishes its serve's status."""
+    return f"{status_key}/serve"
 
 
 def stage_status_key(status_key: str, rank: int) -> str:

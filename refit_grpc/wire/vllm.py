@@ -40,8 +40,14 @@ from refit_grpc.plan import (
 STAGE_RPC_METHOD = "weight_transfer_engine"
 STAGE_OP_START = "stage"            # payload: the update_info of the plan; returns the status
 STAGE_OP_STATUS = "stage_status"    # returns the status
-STAGE_OP_DROP = "drop_staged"       # forget the copy, end a receive in flight; returns the status
-STAGE_OPS = (STAGE_OP_START, STAGE_OP_STATUS, STAGE_OP_DROP)
+STAGE_OP_DROP = "drop_staged"       # forget a pending copy, end a receive in flight; the status
+# Catch-up: the worker that is the engine's rank 0 broadcasts its committed copy to a newcomer's
+# group (payload: a `ServeInfo`), on a thread of its own; "cancel_serve" ends it. Both return
+# the status, whose serve_* fields say how the serve goes.
+STAGE_OP_SERVE = "serve_copy"
+STAGE_OP_CANCEL_SERVE = "cancel_serve"
+STAGE_OPS = (STAGE_OP_START, STAGE_OP_STATUS, STAGE_OP_DROP, STAGE_OP_SERVE,
+             STAGE_OP_CANCEL_SERVE)
 SOURCE_STAGED = "staged"
 
 
@@ -51,7 +57,8 @@ def stage_rpc_body(op: str, update_info: dict[str, Any] | None = None,
 
     Args:
         op: one of `STAGE_OPS`.
-        update_info: `update_info_for(plan, "gloo", ...)`, for `STAGE_OP_START` only.
+        update_info: `update_info_for(plan, "gloo", ...)` for `STAGE_OP_START`, a
+            `ServeInfo.to_wire()` for `STAGE_OP_SERVE`, else None.
         timeout_s: how long vLLM waits for the workers' answers.
 
     Returns:
@@ -116,6 +123,11 @@ class GlooUpdateInfo:
     # staged copy (a staged epoch's flip), which must hold exactly `staged_digest`.
     source: str | None = None
     staged_digest: str | None = None
+    # A staged receive (`STAGE_OP_START`) whose buckets come as deltas against the worker's
+    # committed copy (`refit_grpc.delta`).
+    delta: bool | None = None
+    # A flip: the version it commits; the copy it loaded stays as the committed copy.
+    version: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -128,6 +140,10 @@ class GlooUpdateInfo:
             raise ValueError(f"source must be unset or {SOURCE_STAGED!r}, got {self.source!r}")
         if self.source == SOURCE_STAGED and not self.staged_digest:
             raise ValueError("a load from the staged copy needs the staged_digest it must hold")
+        if self.delta and self.source == SOURCE_STAGED:
+            raise ValueError("a delta is received, not loaded from the staged copy")
+        if self.version is not None and (self.source != SOURCE_STAGED or self.version < 1):
+            raise ValueError(f"version {self.version} is a staged flip's, >= 1")
 
     def plan(self, packing: Packing) -> RefitPlan:
         specs = tuple(TensorSpec(name, tuple(int(d) for d in shape), dtype_from_name(dt))
@@ -197,12 +213,14 @@ def update_info_for(plan: RefitPlan, backend: str, timeout_s: float | None = Non
     return info.to_wire()
 
 
-def flip_info_for(plan: RefitPlan, timeout_s: float, staged_digest: str) -> dict[str, Any]:
+def flip_info_for(plan: RefitPlan, timeout_s: float, staged_digest: str,
+                  version: int | None = None) -> dict[str, Any]:
     """`update_info` of the /update_weights that loads a worker's staged copy (a staged epoch's
     flip, gloo backend only): the plan as for a receive, the bytes from the copy, which must
-    hold exactly `staged_digest`."""
+    hold exactly `staged_digest`; with `version`, the copy stays as the committed copy of that
+    version."""
     info = update_info_for(plan, "gloo", timeout_s)
-    info.update(source=SOURCE_STAGED, staged_digest=staged_digest)
+    info.update(source=SOURCE_STAGED, staged_digest=staged_digest, version=version)
     return GlooUpdateInfo(**info).to_wire()
 
 

@@ -2,12 +2,14 @@
 
 An HTTP engine's receive runs inside its workers (vLLM's, Dynamo's, next SGLang's), so two
 things cross back to the shim through whatever route the engine offers:
-- `StageStatus`: one worker's staged receive (docs/protocol.md, Staged epochs), as the shim's
+- `StageStatus`: one worker's staged receive (docs/protocol.md, Staged epochs), its committed
+  copy and a catch-up's serve from it, as the shim's
   `HttpEngine` polls it (vLLM: the answers of /collective_rpc; Dynamo: JSON the worker
   publishes in the trainer's TCPStore);
 - the applied marker of a failed update (`applied_marker`, read back with `APPLIED_RE`): how
   much of it reached the model; with nothing applied the worker rolled every layer back, so the
   engine still holds the old weights, whole.
+- `ServeInfo`: the catch-up group an engine's rank-0 worker serves its committed copy to.
 Pure: no vLLM, no gRPC, no torch.
 """
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from typing import Any
+
+from refit_grpc.common import GroupSpec
 
 # A failed update's error starts with this marker: A of B buckets reached the model. With A == 0
 # the worker's rollback restored every layer, so the engine still holds the old weights.
@@ -29,6 +33,9 @@ def applied_marker(applied: int, total: int) -> str:
 # A worker's staged receive, as its status says
 STAGE_IDLE, STAGE_RECEIVING, STAGE_STAGED, STAGE_FAILED = "idle", "receiving", "staged", "failed"
 STAGE_STATES = (STAGE_IDLE, STAGE_RECEIVING, STAGE_STAGED, STAGE_FAILED)
+# A worker's serve of its committed copy (catch-up), as its status says ("" before any)
+SERVE_RUNNING, SERVE_DONE, SERVE_FAILED = "serving", "served", "failed"
+SERVE_STATES = ("", SERVE_RUNNING, SERVE_DONE, SERVE_FAILED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +51,13 @@ class StageStatus:
         error: why it failed (`STAGE_FAILED`), else "".
         reason: the failure's `Reason` name where the worker knew it, else "".
         staging_bytes: host memory the worker's copy holds.
+        committed_version: the version whose flip loaded the copy, while the copy still equals
+            the live weights (the engine's committed copy: a delta's base, what a catch-up is
+            served from); 0 when there is none.
+        committed_digest: that copy's staged digest, else "".
+        serve_state: "" (never served), `SERVE_RUNNING`, `SERVE_DONE` or `SERVE_FAILED`.
+        served: buckets of the committed copy broadcast so far by the serve.
+        serve_error: why the serve failed, else "".
     """
 
     rank: int
@@ -54,6 +68,11 @@ class StageStatus:
     error: str = ""
     reason: str = ""
     staging_bytes: int = 0
+    committed_version: int = 0
+    committed_digest: str = ""
+    serve_state: str = ""
+    served: int = 0
+    serve_error: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -68,8 +87,45 @@ class StageStatus:
         status = cls(**{k: v for k, v in body.items() if k in names})
         if status.state not in STAGE_STATES:
             raise ValueError(f"unknown staged-epoch state {status.state!r}")
+        if status.serve_state not in SERVE_STATES:
+            raise ValueError(f"unknown serve state {status.serve_state!r}")
         return status
 
 
-__all__ = ["APPLIED_RE", "STAGE_FAILED", "STAGE_IDLE", "STAGE_RECEIVING", "STAGE_STAGED",
-           "STAGE_STATES", "StageStatus", "applied_marker"]
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeInfo:
+    """The payload of a serve request (vLLM: `wire.vllm.STAGE_OP_SERVE`; Dynamo:
+    `wire.dynamo.SERVE_RPC`): the catch-up group the engine's rank-0 worker joins as its rank
+    0. The shim hosts the group's rendezvous store (it listens before the newcomer is told
+    where); the worker connects to it as a client."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_id: str
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port {self.master_port} out of range")
+        if self.world_size < 2:
+            raise ValueError(f"a catch-up group has >= 2 ranks, got {self.world_size}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @classmethod
+    def for_group(cls, spec: GroupSpec, timeout_s: float) -> ServeInfo:
+        return cls(master_address=spec.master_address, master_port=spec.master_port,
+                   world_size=spec.world_size, group_id=spec.group_id, timeout_s=timeout_s)
+
+    def spec(self) -> GroupSpec:
+        return GroupSpec(self.master_address, self.master_port, self.world_size, 0, "gloo",
+                         self.group_id)
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+__all__ = ["APPLIED_RE", "SERVE_DONE", "SERVE_FAILED", "SERVE_RUNNING", "SERVE_STATES",
+           "STAGE_FAILED", "STAGE_IDLE", "STAGE_RECEIVING", "STAGE_STAGED", "STAGE_STATES",
+           "ServeInfo", "StageStatus", "applied_marker"]

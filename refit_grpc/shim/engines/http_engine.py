@@ -32,12 +32,16 @@ lists exactly what a new engine writes. Owned here:
                     next init awaits
     checkpoint      the names and shapes of a local checkpoint directory, read once
 
-Where issue 23's work slots in: a committed copy kept by the workers after the flip is
-`committed_copy` (the base would record the flipped `(version, digest)`) with
-`Capabilities(delta=True, serving_copy=True)`; a delta epoch reaches `_start_stage(...,
-delta=True)` (refused here while the capability is off); serving a catch-up is `serve_copy`; a
-flip that copies straight into the live parameters is the engine's `_post_update` for a staged
-source.
+    committed copy  the copy a flip loaded stays on the workers as the engine's committed copy
+                    (`committed_copy`: the flip's version and digest, recorded here; forgotten
+                    as an in-place receive or the next stage starts): a delta epoch reaches
+                    `_start_stage(..., delta=True)`, whose workers apply it onto that copy
+    serve_copy      the engine's rank-0 worker broadcasts its committed copy to a catch-up's
+                    newcomer (`_start_serve`: how it starts and how its status is read), polled
+                    until sent; `_cancel_serve` on a failure, an abort or the deadline
+
+Where the next step of issue 23 slots in: a flip that copies straight into the live parameters
+is the engine's `_post_update` for a staged source.
 
 Also here: `worker_timeout`, the bound a worker is given for a join or a receive. The HTTP client
 is `http_client.py`, the checkpoint index `checkpoint.py`.
@@ -78,9 +82,12 @@ from refit_grpc.shim.engines.http_client import (
 from refit_grpc.shim.engines.options import EngineOptions
 from refit_grpc.wire.worker import (
     APPLIED_RE,
+    SERVE_DONE,
+    SERVE_RUNNING,
     STAGE_FAILED,
     STAGE_IDLE,
     STAGE_STAGED,
+    ServeInfo,
     StageStatus,
 )
 
@@ -149,6 +156,7 @@ class UpdateCall:
         on_cancel: what the HTTP client runs when the call is cancelled (sets the abort key).
         staged_digest: None for a receive from the group; for a flip, the digest the worker's
             staged copy must hold (the bytes come from that copy).
+        version: a flip's version: the copy it loads stays as the committed copy of it.
     """
 
     plan: RefitPlan
@@ -158,6 +166,7 @@ class UpdateCall:
     abort_key: str | None = None
     on_cancel: Callable[[], None] | None = None
     staged_digest: str | None = None
+    version: int | None = None
 
 
 class _BackgroundCall:
@@ -243,6 +252,10 @@ class HttpEngine(Engine):
             "drop_staged", lambda d: self._note_staging(self._post_drop_staged(d)),
             o.request_timeout_s)
         self._staging_bytes = 0
+        # (version, staged digest) and plan of the workers' committed copy, as the last flip
+        # left it. The workers check again: a delta or a serve without one is refused there.
+        self._committed: tuple[int, str] | None = None
+        self._committed_plan: RefitPlan | None = None
 
     @classmethod
     def from_options(cls, options: HttpEngineOptions, packing: Packing) -> HttpEngine:
@@ -301,6 +314,17 @@ class HttpEngine(Engine):
         workers' statuses where the route answers them. Nothing to drop by default."""
         return None
 
+    def _start_serve(self, info: ServeInfo, store: Any,
+                     deadline: Deadline) -> Callable[[Deadline], StageStatus]:
+        """Start the serve of the committed copy on the engine's rank-0 worker (answered at
+        once: the engine keeps serving); returns how to read its status (`serve_state` ""
+        while not started). Only where `capabilities.serving_copy`."""
+        raise FailedPreconditionError(f"the {self.kind} engine cannot serve its committed copy",
+                                      reason=Reason.CATCH_UP_UNSUPPORTED)
+
+    def _cancel_serve(self, deadline: Deadline) -> None:
+        """End a serve in flight on the engine's rank-0 worker."""
+
     @abstractmethod
     def weight_version(self, deadline: Deadline | None = None) -> Any:
         """The weight version the engine declares (set by `finish`), None if undeclared: for
@@ -342,6 +366,7 @@ class HttpEngine(Engine):
                 on_bucket: Callable[[Bucket], None]) -> None:
         """The blocking update; `on_bucket` runs for every bucket once it succeeded (the
         engines report nothing per bucket: PROGRESS arrives in one burst)."""
+        self._forget_committed()  # the workers forget their copies as the receive starts
         self._update(plan, deadline)
         for bucket in plan.buckets:
             on_bucket(bucket)
@@ -369,7 +394,7 @@ class HttpEngine(Engine):
     # --- one weight-update session: a receive, or a flip's load -----------------------------
 
     def _update(self, plan: RefitPlan, deadline: Deadline, staged_digest: str | None = None,
-                ) -> None:
+                version: int | None = None) -> None:
         """Open the session (`_open_update`), then its one blocking call (`_post_update`),
         watched for aborts. A receive from the group gets an abort key; a flip's load reads
         host memory and needs none. The caller commits (`finish`)."""
@@ -383,7 +408,7 @@ class HttpEngine(Engine):
             self._watched_receive(
                 lambda on_cancel: self._post_update(UpdateCall(
                     plan, deadline, gen, worker_timeout(left), abort_key, on_cancel,
-                    staged_digest)),
+                    staged_digest, version)),
                 what, deadline, gen, group, abort_key)
 
     @contextlib.contextmanager
@@ -475,8 +500,7 @@ class HttpEngine(Engine):
                                           reason=Reason.DELTA_UNSUPPORTED)
         self._drop.wait(min(deadline.remaining(), self.request_timeout_s))
         gen = self._http.generation
-        with self._lock:
-            self._staged = None
+        self._claim_copy(delta)
         timeout_s = worker_timeout(deadline.check("stage"))
         statuses, poll = self._start_stage(plan, deadline, timeout_s, delta)
         digest = self._await_staged(plan, deadline, on_bucket, gen, statuses, poll)
@@ -495,8 +519,11 @@ class HttpEngine(Engine):
             raise FailedPreconditionError("flip: nothing is staged on this engine",
                                           reason=Reason.NOT_STAGED)
         plan, digest = staged
-        self._update(plan, deadline, staged_digest=digest)
-        return self.finish(version, deadline)
+        self._update(plan, deadline, staged_digest=digest, version=version)
+        result = self.finish(version, deadline)
+        with self._lock:  # the copy it loaded: from here the committed copy
+            self._committed, self._committed_plan = (version, digest), plan
+        return result
 
     def drop_staged(self) -> None:
         """Forget the staged copy on every worker and end a staged receive in flight (on a
@@ -504,6 +531,65 @@ class HttpEngine(Engine):
         with self._lock:
             self._staged = None
         self._drop.start(f"{self.kind}-drop_staged")
+
+    # --- the committed copy: delta epochs and catch-up ------------------------------------
+
+    @property
+    def committed_copy(self) -> tuple[int, str] | None:
+        with self._lock:
+            return self._committed
+
+    def _claim_copy(self, delta: bool) -> None:
+        """A stage is about to overwrite the workers' copy (a delta: apply onto it, which
+        needs a committed copy); it is no longer the committed copy from here."""
+        with self._lock:
+            self._staged = None
+            if delta and self._committed is None:
+                raise FailedPreconditionError("no committed copy to apply a delta to",
+                                              reason=Reason.DELTA_BASE_MISMATCH)
+            self._committed = self._committed_plan = None
+
+    def _forget_committed(self) -> None:
+        with self._lock:
+            self._committed = self._committed_plan = None
+
+    def serve_copy(self, spec: GroupSpec, store: Any, deadline: Deadline,
+                   on_bucket: Callable[[Bucket], None] | None = None) -> None:
+        """The engine's rank-0 worker joins `spec`'s group as its rank 0 (a client of `store`,
+        which this shim hosts) and broadcasts its committed copy while the engine serves;
+        followed until sent. On a failure, an abort or the deadline the serve is cancelled
+        (its group closes, so the newcomer's receive fails at once)."""
+        with self._lock:
+            committed, plan = self._committed, self._committed_plan
+        if committed is None or plan is None:
+            raise FailedPreconditionError("no committed copy to serve",
+                                          reason=Reason.PEER_COPY_MISMATCH)
+        info = ServeInfo.for_group(spec, worker_timeout(deadline.check("serve_copy")))
+        poll = self._start_serve(info, store, deadline)
+        reported = 0
+        try:
+            while True:
+                status = poll(deadline)
+                if on_bucket is not None:
+                    for bucket in plan.buckets[reported:status.served]:
+                        on_bucket(bucket)
+                reported = max(reported, status.served)
+                if status.serve_state == SERVE_DONE:
+                    return
+                if status.serve_state not in ("", SERVE_RUNNING):
+                    raise CollectiveError(f"serve_copy: worker rank {status.rank} failed: "
+                                          f"{status.serve_error or status.serve_state}",
+                                          reason=Reason.COLLECTIVE_FAILED)
+                deadline.cancel.wait(min(STAGE_POLL_S, max(deadline.remaining(), 0.0)))
+                if deadline.cancel.is_set():
+                    raise EpochAbortedError("serve_copy: aborted", reason=Reason.EPOCH_ABORTED)
+                deadline.check("serve_copy")
+        except BaseException:
+            try:
+                self._cancel_serve(Deadline(self.request_timeout_s))
+            except RefitError as e:
+                log.info("cancel_serve: %s", e)
+            raise
 
     def _note_staging(self, statuses: list[StageStatus] | None) -> list[StageStatus] | None:
         if statuses is not None:

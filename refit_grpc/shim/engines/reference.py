@@ -420,7 +420,7 @@ class ReferenceEngine(Engine):
         return plan
 
     def drop_staged(self) -> None:
-        self._staging.invalidate()
+        self._staging.drop_pending()  # a committed copy stays: the base, what catch-ups read
 
     # --- catch-up: serving the committed copy to a peer ---------------------------------------
 

@@ -33,6 +33,12 @@ abort key, the background teardown) is `HttpEngine`'s; this module holds Dynamo'
                     loader), then set_weight_version
     drop_staged     POST update_weights_from_distributed {"engine_rpc":
                     "refit_grpc_drop_staged", "allow_unpaused": true}, on a background thread
+    committed copy  the copy a flip loaded stays on the workers (`HttpEngine`): a delta stage
+                    says `delta: true`, and
+    serve_copy      POST update_weights_from_distributed {"engine_rpc": "refit_grpc_serve",
+                    "allow_unpaused": true, the group, a status key}: the engine's rank-0
+                    worker broadcasts its committed copy to the newcomer's group and publishes
+                    the serve's status in the catch-up's rendezvous store (this shim hosts it)
 
 Errors: Dynamo answers a failed handler with HTTP 200 and `{"status": "error", "message"}`; that
 is typed like vLLM's HTTP 500 (`dynamo_error`), by what the call was doing. A worker that does
@@ -88,7 +94,7 @@ from refit_grpc.shim.engines.http_engine import (
 )
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire import dynamo as routes
-from refit_grpc.wire.worker import STAGE_RECEIVING, StageStatus
+from refit_grpc.wire.worker import STAGE_IDLE, STAGE_RECEIVING, ServeInfo, StageStatus
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -159,9 +165,9 @@ class DynamoEngine(HttpEngine):
     def capabilities(self) -> Capabilities:
         """Staging: the worker extension's workers receive on a thread beside the engine loop
         (gloo only, which init_transfer enforces). No canary (Dynamo's frontend is not this
-        shim's to reach), no delta or serving a copy yet (the workers drop their staged copy
-        at the flip)."""
-        return Capabilities(staging=True)
+        shim's to reach). The workers keep the copy a flip loaded as their committed copy:
+        delta epochs apply onto it and catch-ups are served from it."""
+        return Capabilities(staging=True, delta=True, serving_copy=True)
 
     @property
     def world_size(self) -> int:
@@ -236,7 +242,7 @@ class DynamoEngine(HttpEngine):
         if call.staged_digest is None:
             body = routes.update_body(call.plan, call.timeout_s, call.abort_key)
         else:
-            body = routes.flip_body(call.plan, call.timeout_s, call.staged_digest)
+            body = routes.flip_body(call.plan, call.timeout_s, call.staged_digest, call.version)
         try:
             self._post(routes.UPDATE_DISTRIBUTED, body, call.deadline, kind=CallKind.RECEIVE,
                        cap_s=math.inf, extra_s=1.0, watch=call.deadline, gen=call.gen,
@@ -270,7 +276,7 @@ class DynamoEngine(HttpEngine):
         status_key = f"refit_grpc/{group.group_id}/staged/{uuid.uuid4().hex}"
         try:
             self._post(routes.UPDATE_DISTRIBUTED,
-                       routes.stage_body(plan, timeout_s, status_key), deadline)
+                       routes.stage_body(plan, timeout_s, status_key, delta), deadline)
         except FailedPreconditionError as e:
             if "has no attribute" in e.message and routes.STAGE_RPC in e.message:
                 raise FailedPreconditionError(
@@ -292,6 +298,37 @@ class DynamoEngine(HttpEngine):
     def _post_drop_staged(self, deadline: Deadline) -> list[StageStatus] | None:
         self._post(routes.UPDATE_DISTRIBUTED, routes.drop_staged_body(), deadline)
         return None
+
+    def _start_serve(self, info: ServeInfo, store: Any,
+                     deadline: Deadline) -> Callable[[Deadline], StageStatus]:
+        """update_weights_from_distributed with the extension's `refit_grpc_serve` (answered
+        at once); the serving worker publishes its status in the catch-up's rendezvous store,
+        which this shim hosts (`store`), and it is read there."""
+        import torch.distributed as dist
+
+        status_key = f"refit_grpc/{info.group_id}/serve/{uuid.uuid4().hex}"
+        try:
+            self._post(routes.UPDATE_DISTRIBUTED, routes.serve_body(info, status_key), deadline)
+        except EngineUnavailableError as e:
+            raise self._gone(e, "starting the serve of its committed copy") from e
+        key = routes.serve_status_key(status_key)
+
+        def poll(_: Deadline) -> StageStatus:
+            try:
+                if not store.check([key]):
+                    return StageStatus(rank=0, state=STAGE_IDLE)  # not published yet
+                return StageStatus.from_wire(json.loads(store.get(key)))
+            except (RuntimeError, dist.DistError) as e:
+                raise CollectiveError(f"serve_copy: the catch-up's rendezvous store no longer "
+                                      f"answers ({e})", reason=Reason.COLLECTIVE_FAILED) from e
+            except (TypeError, ValueError) as e:
+                raise RefitError(f"serve_copy: the worker's status is unreadable ({e})",
+                                 reason=Reason.ENGINE_ERROR) from e
+
+        return poll
+
+    def _cancel_serve(self, deadline: Deadline) -> None:
+        self._post(routes.UPDATE_DISTRIBUTED, routes.cancel_serve_body(), deadline)
 
     # --- extras for trainers, tests and the demo -------------------------------------------
 

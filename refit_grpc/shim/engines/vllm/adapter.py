@@ -27,6 +27,11 @@ only translates the shim's engine calls into HTTP calls (standard library only):
                     "staged", "staged_digest"}} (the workers load their copies through the
                     receive's own loader), /finish_weight_update {"weight_version": "v"}
     drop_staged     POST /collective_rpc "drop_staged", on a background thread
+    committed copy  the copy a flip loaded stays on every worker (`HttpEngine`): a delta epoch
+                    is a "stage" with `delta`, applied onto it by the workers, and
+    serve_copy      POST /collective_rpc "serve_copy": the engine's rank-0 worker broadcasts it
+                    to a newcomer's catch-up group on a thread of its own; "stage_status" every
+                    0.1 s until it is sent, "cancel_serve" on an abort
     abort_transfer  POST /shutdown_weight_transfer_engine on a background thread; a blocked
                     /update_weights is told through the trainer's TCPStore (an abort key the
                     gloo backend polls: vLLM runs worker RPCs one at a time, so no route can
@@ -54,7 +59,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
@@ -78,7 +83,9 @@ from refit_grpc.shim.engines.http_engine import (
 )
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire.vllm import (
+    STAGE_OP_CANCEL_SERVE,
     STAGE_OP_DROP,
+    STAGE_OP_SERVE,
     STAGE_OP_START,
     STAGE_OP_STATUS,
     flip_info_for,
@@ -87,7 +94,7 @@ from refit_grpc.wire.vllm import (
     stage_rpc_body,
     update_info_for,
 )
-from refit_grpc.wire.worker import StageStatus
+from refit_grpc.wire.worker import ServeInfo, StageStatus
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +129,11 @@ class VLLMEngine(HttpEngine):
     def capabilities(self) -> Capabilities:
         """A canary (prompt_logprobs); staging over the project's gloo backend, whose workers
         receive on a thread beside the engine loop; vLLM's own nccl backend has no such
-        receive (docs/vllm.md, Staged epochs). No delta or serving a copy yet: the workers
-        drop their staged copy at the flip."""
+        receive (docs/vllm.md, Staged epochs), whose workers keep the copy a flip loaded as
+        their committed copy: delta epochs apply onto it and catch-ups are served from it."""
         with self._lock:
-            return Capabilities(canary=True, staging=self._backend == "gloo")
+            gloo = self._backend == "gloo"
+        return Capabilities(canary=True, staging=gloo, delta=gloo, serving_copy=gloo)
 
     @property
     def world_size(self) -> int:
@@ -252,7 +260,7 @@ class VLLMEngine(HttpEngine):
         if call.staged_digest is None:
             info = update_info_for(call.plan, self._backend, call.timeout_s, call.abort_key)
         else:
-            info = flip_info_for(call.plan, call.timeout_s, call.staged_digest)
+            info = flip_info_for(call.plan, call.timeout_s, call.staged_digest, call.version)
         self._http.call("POST", "/update_weights", call.deadline, kind=CallKind.RECEIVE,
                         what=self.update_route if call.staged_digest is None
                         else f"{self.update_route}(staged)",
@@ -277,11 +285,23 @@ class VLLMEngine(HttpEngine):
         """POST /collective_rpc "stage": every worker starts its receive into its staged copy
         and answers at once; the poll is the same route with "stage_status"."""
         update = update_info_for(plan, "gloo", timeout_s)
+        if delta:
+            update["delta"] = True  # applied onto each worker's committed copy
         return (self._stage_rpc(STAGE_OP_START, deadline, update),
                 lambda d: self._stage_rpc(STAGE_OP_STATUS, d))
 
     def _post_drop_staged(self, deadline: Deadline) -> list[StageStatus] | None:
         return self._stage_rpc(STAGE_OP_DROP, deadline)
+
+    def _start_serve(self, info: ServeInfo, store: Any,
+                     deadline: Deadline) -> Callable[[Deadline], StageStatus]:
+        """POST /collective_rpc "serve_copy"; the poll is "stage_status" (the engine's rank-0
+        worker, first in worker order, is the one serving)."""
+        self._stage_rpc(STAGE_OP_SERVE, deadline, info.to_wire())
+        return lambda d: self._stage_rpc(STAGE_OP_STATUS, d)[0]
+
+    def _cancel_serve(self, deadline: Deadline) -> None:
+        self._stage_rpc(STAGE_OP_CANCEL_SERVE, deadline)
 
     def _stage_rpc(self, op: str, deadline: Deadline,
                    update: dict[str, Any] | None = None) -> list[StageStatus]:
