@@ -155,18 +155,10 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
     """One catch-up from one peer: its LISTENING, the target's CatchUp, the peer's SENT."""
     group_id = f"catchup-{uuid.uuid4().hex[:12]}"
     address = listen_address(peer.endpoint.address)
-    serve: Any = peer.stub.ServeCatchUp(pb.ServeCatchUpRequest(
+    serve, listening = _serve(peer, pb.ServeCatchUpRequest(
         version=version, staged_digest=staged_digest, plan_digest=plan.digest,
         listen_address=address, group_id=group_id, target_instance_id=target_instance,
-        world_size=world_size), timeout=timeout_s, metadata=peer.metadata)
-    try:
-        listening = next(serve)
-    except grpc.RpcError as e:
-        raise _AttemptFailed([failure_from_rpc(peer.endpoint, e)], True) from e
-    except StopIteration:
-        raise _AttemptFailed([WorkerFailure(
-            peer.endpoint.instance_id, peer.endpoint.address, grpc.StatusCode.INTERNAL,
-            Reason.DRIVER_ERROR, "ServeCatchUp ended before LISTENING")], True) from None
+        world_size=world_size), timeout_s)
     # The target's CatchUp runs on a thread of gRPC's own (a future), the peer's stream here.
     call = target.stub.CatchUp.future(pb.CatchUpRequest(
         version=version, staged_digest=staged_digest, plan_digest=plan.digest,
@@ -213,6 +205,20 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
         # The target has it all and checked the digest; the peer's stream failed afterwards.
         log.warning("catch-up done, but the peer's stream ended with %s", peer_failure)
     return answer
+
+
+def _serve(peer: WorkerLink, request: pb.ServeCatchUpRequest, timeout_s: float
+           ) -> tuple[Any, pb.ServeCatchUpResponse]:
+    """The peer's ServeCatchUp stream, and its first message (LISTENING, with the port)."""
+    serve: Any = peer.stub.ServeCatchUp(request, timeout=timeout_s, metadata=peer.metadata)
+    try:
+        return serve, next(serve)
+    except grpc.RpcError as e:
+        raise _AttemptFailed([failure_from_rpc(peer.endpoint, e)], True) from e
+    except StopIteration:
+        raise _AttemptFailed([WorkerFailure(
+            peer.endpoint.instance_id, peer.endpoint.address, grpc.StatusCode.INTERNAL,
+            Reason.DRIVER_ERROR, "ServeCatchUp ended before LISTENING")], True) from None
 
 
 def _peer_gone(peer: WorkerLink) -> WorkerFailure | None:

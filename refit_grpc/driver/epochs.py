@@ -115,4 +115,21 @@ class Epochs:
         return epochs
 
 
-__all__ = ["DeltaBase", "Epochs"]
+@dataclass(frozen=True)
+class RoundParts:
+    """What an epoch of either mode (`InPlaceRound`, `StagedRound`) is run with.
+
+    Args:
+        calls: the calls to the shims.
+        membership: the shims.
+        formation: the data group (dropped when an epoch fails, re-formed by a staged one).
+        epochs: opens each epoch (and its `config`).
+    """
+
+    calls: ShimCalls
+    membership: Membership
+    formation: GroupFormation
+    epochs: Epochs
+
+
+__all__ = ["DeltaBase", "Epochs", "RoundParts"]

@@ -8,18 +8,8 @@ it "NeMo RL's channel") so trainer code written for it can switch:
 `refit()` (one whole epoch), `flip()`, membership (`add`, `remove`, `sync`, `readmit`,
 `catch_up`), `describe()`, `abort()`.
 
-Who owns what (`Fleet` is a facade: it checks the fleet's state and delegates):
-- `membership.Membership`: one record per shim (endpoint, link, removed, left behind, the
-  instance it joined the data group as); `validate_workers`.
-- `calls.ShimCalls`: every call to a shim (channels, pools, deadlines, retries, fan-outs; the
-  one place a call's failure becomes a `WorkerFailure`).
-- `groups.GroupFormation`: forms, re-forms and drops the data group for a member list.
-- `epochs.Epochs`: opens epochs (`epoch.EpochHandle`, one per epoch: its streams and waits),
-  the versions (latest opened, committed copy), the delta base.
-- `in_place.InPlaceRound`, `staged.StagedRound`: one epoch of each mode, with its checks
-  (`checks.Checks`: verify, canary).
-- `catch_up.CatchUps`: catch-ups from a peer; `plans`: Prepare; `reports`: what an epoch
-  reports; `failures`: what went wrong; `links` / `nccl`: the trainer's end of the group.
+`Fleet` is a facade: it checks the fleet's state and delegates to the collaborators that own
+the state (who owns what: the `refit_grpc.driver` package docstring).
 
 Retry policy: idempotent unary calls (Describe, Prepare, Flush) retry on UNAVAILABLE with
 exponential backoff and jitter (`calls.py`). InitCollective and UpdateWeights are never retried
@@ -36,7 +26,7 @@ from typing import Any
 import torch
 
 from refit_grpc.canary import Canary
-from refit_grpc.common import EpochMode, PauseMode
+from refit_grpc.common import PauseMode
 from refit_grpc.driver.calls import ShimCalls
 from refit_grpc.driver.catch_up import CatchUpReport, CatchUps
 from refit_grpc.driver.checks import Checks, canary_close
@@ -44,13 +34,14 @@ from refit_grpc.driver.config import FleetConfig, FleetState, FleetStateError, r
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback
 from refit_grpc.driver.epochs import Epochs
-from refit_grpc.driver.failures import FleetError, WorkerFailure
-from refit_grpc.driver.groups import GroupFormation
+from refit_grpc.driver.failures import WorkerFailure
+from refit_grpc.driver.groups import GroupFormation, check_formation
 from refit_grpc.driver.in_place import InPlaceRound
 from refit_grpc.driver.links import TrainerLink
-from refit_grpc.driver.membership import Member, Membership, ValidateWorkers, links
-from refit_grpc.driver.options import Epoch, InPlace, Staged
-from refit_grpc.driver.plans import prepare_on
+from refit_grpc.driver.membership import Member, Membership, ValidateWorkers
+from refit_grpc.driver.membership import links as links_of
+from refit_grpc.driver.options import Epoch, Staged, options, reopened
+from refit_grpc.driver.plans import negotiate_packing, prepare_on
 from refit_grpc.driver.reports import EpochReport, WorkerReport
 from refit_grpc.driver.staged import StagedRound
 from refit_grpc.errors import InvalidArgumentError
@@ -97,8 +88,7 @@ class Fleet:
         self.epochs = Epochs(self.config, self.calls, self.membership, self.formation,
                              self.catch_ups)
         self._in_place = InPlaceRound(self.calls, self.membership, self.formation, self.epochs)
-        self._staged = StagedRound(self.config, self.calls, self.membership, self.formation,
-                                   self.epochs)
+        self._staged = StagedRound(self.calls, self.membership, self.formation, self.epochs)
 
     @property
     def validate_workers(self) -> ValidateWorkers | None:
@@ -166,13 +156,7 @@ class Fleet:
                 silently), or a Describe failed.
         """
         if self._packing is None:
-            offers = {(d.packing.buffer_size_bytes, d.packing.num_buffers)
-                      for d in self.describe(weights_digest=False)}
-            if len(offers) != 1:
-                raise FleetError(f"shims offer different packings {sorted(offers)}; "
-                                 "pass packing= to Fleet", [])
-            size, n = offers.pop()
-            self._packing = Packing(size, n)
+            self._packing = negotiate_packing(self.calls, links_of(self.membership.current))
         return self._packing
 
     @property
@@ -187,14 +171,8 @@ class Fleet:
         return self.formation.group_id
 
     def prepare(self, state_dict_info: Mapping[str, tuple[Sequence[int], Any]]) -> RefitPlan:
-        """Store the plan on every member.
-
-        Args:
-            state_dict_info: `{name: (shape, dtype)}` in packing order (dtype a torch.dtype or
-                its name).
-
-        Returns:
-            The plan, whose digest every shim computed alike.
+        """Store the plan (`state_dict_info`: `{name: (shape, dtype)}` in packing order, dtype
+        a torch.dtype or its name) on every member; returns it, its digest every shim's.
 
         Raises:
             FleetStateError: FLEET_CLOSED.
@@ -206,7 +184,7 @@ class Fleet:
         if state_dict_info is None:
             raise InvalidArgumentError("state_dict_info is None", reason=Reason.INVALID_PLAN)
         plan = RefitPlan.from_state_dict_info(state_dict_info, self.negotiate_packing())
-        prepare_on(self.calls, plan, links(self.membership.members))
+        prepare_on(self.calls, plan, links_of(self.membership.members))
         self._plan = plan
         return plan
 
@@ -217,19 +195,15 @@ class Fleet:
 
         Args:
             ip: the trainer's rank 0 address, where its store listens.
-            port: where that store already listens, or will: shims retry until it does, within
-                the join deadline. To leave no window between picking a port and binding it,
-                bind first (`collective.bind_master_store(ip, 0, ...)`, then `store.port`);
-                `connect()` does that itself.
+            port: where that store listens, or will (shims retry within the join deadline;
+                bind first, `collective.bind_master_store(ip, 0, ...)`, to leave no window).
             world_size: `train_world_size + inference_world_size`.
             train_world_size: the trainer's ranks (they come first).
-            group_id: the group's name (its store prefix); by default a fresh random one per
-                call. A caller's own must be unique per formation (docs/protocol.md, "Group
-                names").
+            group_id: the group's name; by default a fresh random one, and a caller's own
+                must be unique per formation (docs/protocol.md, "Group names").
 
         Returns:
-            One future per member, in order, resolving to its JOINED message or raising
-            `FleetError` naming it.
+            One future per member, resolving to its JOINED or raising `FleetError` naming it.
 
         Raises:
             FleetStateError: no plan (FLEET_NOT_PREPARED) or FLEET_CLOSED.
@@ -237,19 +211,8 @@ class Fleet:
                 does not add up.
             MembershipChangedError: `validate_workers` reports a change.
         """
-        if group_id is not None and not group_id:
-            raise InvalidArgumentError("group_id is empty", reason=Reason.INVALID_GROUP_ID)
-        if not 0 < port < 65536:
-            raise InvalidArgumentError(
-                f"master_port {port} out of range: init_collective needs the port the trainer's "
-                "store listens on (connect() binds one itself with port 0)",
-                reason=Reason.INVALID_MASTER_PORT)
+        check_formation(group_id, port)
         plan = self._plan_for("init_collective()", _PREPARED)
-        if world_size != train_world_size + self.inference_world_size:
-            raise InvalidArgumentError(
-                f"world_size {world_size} != train_world_size {train_world_size} + "
-                f"inference_world_size {self.inference_world_size}",
-                reason=Reason.INVALID_WORLD_SIZE)
         return self.formation.start(self.membership.members, plan, ip, port, world_size,
                                     train_world_size, group_id)
 
@@ -261,13 +224,12 @@ class Fleet:
 
         Args:
             ip: this process's address, where its rendezvous store listens.
-            port: the store's port, bound before any shim is told where; with 0, the default,
-                the kernel picks a free port as the store binds it.
+            port: the store's port, bound before any shim is told where (0: the kernel's).
             train_world_size: must be 1 (several trainer ranks: `init_collective()`).
             device: nccl only, the GPU to send from.
 
         Returns:
-            The trainer's end of the group (`link.port` says the port); pass it to `refit()`.
+            The trainer's end of the group (`link.port`); pass it to `refit()`.
 
         Raises:
             FleetStateError: no plan (FLEET_NOT_PREPARED) or FLEET_CLOSED.
@@ -278,10 +240,7 @@ class Fleet:
         if train_world_size != 1:
             raise InvalidArgumentError("connect() joins as the only trainer rank; with several "
                                        "trainer ranks call init_collective() and join each rank")
-        if self.config.backend == "nccl" and not torch.cuda.is_available():
-            # Before any shim is asked to join: they would wait for a rank 0 that never comes.
-            raise InvalidArgumentError("backend nccl needs CUDA in the trainer",
-                                       reason=Reason.BACKEND_UNAVAILABLE)
+        self.formation.check_backend()
         plan = self._plan_for("connect()", _PREPARED)
         return self.formation.form(self.membership.members, plan, ip, port, device=device)
 
@@ -290,91 +249,70 @@ class Fleet:
     def update_weights(self, version: int | None = None,
                        pause_mode: PauseMode = PauseMode.KEEP,
                        on_progress: ProgressCallback | None = None, *,
-                       verify_weights: bool = False, canary: Canary | None = None,
-                       mode: EpochMode = EpochMode.IN_PLACE) -> EpochHandle:
+                       epoch: Epoch | None = None, checks: Checks | None = None,
+                       **deprecated: Any) -> EpochHandle:
         """Open an epoch on every member of the group, without waiting for it.
 
         Args:
-            version: the epoch's version; by default the last one + 1.
-            pause_mode: how the engines pause their requests (staged: for the flip).
-            on_progress: called for each PROGRESS message (a bucket applied).
-            verify_weights: every engine reports its weights digest in COMMITTED.
-            canary: every engine computes its log-probabilities after the commit and reports
-                them in COMMITTED (`check_canary` compares them).
-            mode: IN_PLACE, or STAGED: the streams end at STAGED (`EpochHandle.settle()`) and
-                each engine switches only at its Flip (`flip()`).
+            version, pause_mode, on_progress: as `refit()`'s.
+            epoch: `InPlace()` (the default; the flush is the caller's, `flush_cache()`) or
+                `Staged(min_engines=...)`: the streams end at STAGED, then `flip()`.
+            checks: what every engine reports at commit (staged: checked at the flip).
+            **deprecated: `verify_weights`, `canary`, `mode`, as before `epoch=`/`checks=`.
 
         Returns:
             The handle the trainer waits on while it broadcasts (`wait_accepted()`, then
-            `result()`, or `flip()` for a staged epoch).
+            `result()`, or `flip()`).
 
         Raises:
             FleetStateError: not CONNECTED (FLEET_NOT_PREPARED, FLEET_NOT_CONNECTED,
                 FLEET_CLOSED).
             MembershipChangedError: `validate_workers` reports a change.
         """
+        epoch, checks = options("update_weights", epoch, checks, deprecated)
         plan = self._plan_for("update_weights()", _CONNECTED)
-        epoch: Epoch = Staged() if EpochMode(mode) is EpochMode.STAGED else InPlace()
-        return self.epochs.open(plan, version, epoch=epoch,
-                                checks=Checks(verify=verify_weights, canary=canary),
+        return self.epochs.open(plan, version, epoch=epoch, checks=checks,
                                 pause_mode=pause_mode, on_progress=on_progress)
 
     def refit(self, link: TrainerLink, tensors: Mapping[str, torch.Tensor],
-              version: int | None = None, *, flush: bool = True,
-              pause_mode: PauseMode = PauseMode.KEEP,
-              on_progress: ProgressCallback | None = None,
-              verify_weights: bool = False,
-              canary: Canary | None = None,
-              mode: EpochMode | str = EpochMode.IN_PLACE,
-              min_engines: int | None = None, delta: bool = False) -> EpochReport:
-        """One whole epoch, in place or staged (docs/protocol.md, "Epochs").
-
-        In place (the default): UpdateWeights everywhere, wait for every ACCEPTED, broadcast,
-        wait for every COMMITTED, then (by default) flush so engines serve the new weights.
-        Every engine stops generating for the whole transfer; no extra memory.
-
-        Staged (`mode="staged"`): the engines keep serving the old version while the bytes land
-        in their staging copies; once at least `min_engines` STAGED the trainer's staged digest,
-        each is told to flip (pause, load, resume: the stall is the flip alone). An engine
-        that fails before its flip is left behind (`left_behind`) and the others go on: those
-        that had not staged yet get the bytes again over a group re-formed without it.
+              version: int | None = None, *, epoch: Epoch | None = None,
+              checks: Checks | None = None, pause_mode: PauseMode = PauseMode.KEEP,
+              on_progress: ProgressCallback | None = None, **deprecated: Any) -> EpochReport:
+        """One whole epoch (`InPlace` and `Staged` say what each does; docs/protocol.md):
+        in place, every engine stops for the transfer; staged, the engines serve the old
+        version while the bytes land and stall only for the flip, and one that fails before
+        it is left behind while the others go on over a group re-formed without it.
 
         Args:
             link: the trainer's end of the group, from `connect()`.
             tensors: the weights, `{name: tensor}` as the plan names them.
             version: the epoch's version; by default the last one + 1.
-            flush: in place: flush every engine after the commit.
+            epoch: `InPlace(flush=True)` (the default) or `Staged(min_engines=, delta=)`.
+            checks: `Checks(verify=, canary=)`, run before any engine serves the new version
+                (engines that fail them stay paused).
             pause_mode: how the engines pause their requests (in place: for the epoch;
                 staged: for the flip).
             on_progress: called for each PROGRESS message (a bucket applied or staged).
-            verify_weights: every engine's weights digest compared at commit (staged: at the
-                flip); engines that disagree raise WeightsMismatchError and stay paused.
-            canary: every engine's teacher-forced log-probabilities compared with the
-                trainer's after the commit (staged: the flip's load), before any serves.
-            mode: `EpochMode.IN_PLACE` / "in_place" or `EpochMode.STAGED` / "staged".
-            min_engines: staged only: how many engines must stage for the fleet to flip.
-            delta: staged only: send each bucket as what changed since the last staged epoch
-                (`refit_grpc.delta`) when every member's copy is that epoch's.
+            **deprecated: `flush`, `verify_weights`, `canary`, `mode`, `min_engines`, `delta`
+                (a DeprecationWarning; never with `epoch=`/`checks=`).
 
         Returns:
-            The epoch's report: version, bytes, times, one `WorkerReport` per engine that
-            committed, and (staged) the engines left behind.
+            The epoch's report: one `WorkerReport` per engine that committed, and (staged)
+            the engines left behind.
 
         Raises:
             InvalidArgumentError: tensors that do not match the plan (before any shim pauses),
-                a bad `mode` or `min_engines` (INVALID_MIN_ENGINES), `delta` in place.
+                a bad `epoch` or `min_engines` (INVALID_MIN_ENGINES).
             FleetStateError: not CONNECTED.
-            EpochRefusedError: in place: refused before any byte moved
-                (`MembershipRefusedError` when every refusal is MEMBERSHIP_CHANGED); the group
-                is dropped.
+            EpochRefusedError: in place: refused before any byte moved (`MembershipRefusedError`:
+                every refusal MEMBERSHIP_CHANGED); the group is dropped.
             EpochFailedError: in place: failed mid-broadcast; the fleet is aborted.
             QuorumError: staged: fewer than `min_engines` staged (nothing flipped) or flipped.
             FleetTimeoutError: the epoch ran past `epoch_timeout_s`.
             WeightsMismatchError, CanaryMismatchError: a check failed; engines left paused.
             FleetError: the flush failed.
         """
-        epoch = _epoch_of(mode, flush=flush, min_engines=min_engines, delta=delta)
-        checks = Checks(verify=verify_weights, canary=canary)
+        epoch, checks = options("refit", epoch, checks, deprecated)
         link.sender.check_tensors(tensors)  # refuse bad input before any shim pauses
         self.catch_ups.settle()
         gone: dict[Member, WorkerFailure] = {}
@@ -392,23 +330,17 @@ class Fleet:
         return self._in_place.run(link, tensors, plan, version, epoch=epoch, checks=checks,
                                   pause_mode=pause_mode, on_progress=on_progress)
 
-    def flip(self, handle: EpochHandle, staged_digest: str | None = None, *,
-             min_engines: int | None = None, pause_mode: PauseMode = PauseMode.KEEP,
-             verify_weights: bool = False, canary: Canary | None = None) -> EpochReport:
-        """End a staged epoch opened with `update_weights(mode=STAGED)`, for trainers that
-        broadcast themselves (several trainer ranks, the Ray channel): wait for its streams,
-        then flip every engine that STAGED `staged_digest` when at least `min_engines` did.
-        It cannot send again, so the engines that failed are left behind.
+    def flip(self, handle: EpochHandle, staged_digest: str | None = None,
+             **deprecated: Any) -> EpochReport:
+        """End a staged epoch opened with `update_weights(epoch=Staged(...))` (a trainer that
+        broadcasts itself) as it was opened (its `min_engines`, `pause_mode`, `checks`): wait
+        for its streams, then flip every engine that STAGED `staged_digest` (the trainer's,
+        `refit_grpc.staging`; None: the one most staged) when at least `min_engines` did. It
+        cannot send again: the engines that failed are left behind.
 
         Args:
-            handle: the staged epoch.
-            staged_digest: the trainer's digest of what it sent (`refit_grpc.staging`); None:
-                the digest most engines staged (they agree with each other, not proven equal to
-                the trainer's).
-            min_engines: how many must have staged it; by default every engine of the epoch.
-            pause_mode: how the engines pause their requests for the flip.
-            verify_weights: as the epoch was opened (every engine's digest compared).
-            canary: the canary the epoch was opened with, if any.
+            **deprecated: `min_engines`, `pause_mode`, `verify_weights`, `canary`, replacing
+                what the epoch was opened with (a DeprecationWarning).
 
         Returns:
             The epoch's report (`EpochReport.left_behind` names who did not flip).
@@ -418,15 +350,12 @@ class Fleet:
             QuorumError: fewer than `min_engines` staged it (nothing flipped) or flipped.
             WeightsMismatchError, CanaryMismatchError: as `refit()`.
         """
-        if not handle.staged:
+        if not isinstance(handle.epoch, Staged):
             raise InvalidArgumentError("flip() ends a staged epoch; this one is in place",
                                        reason=Reason.INVALID_EPOCH_MODE)
-        opened = replace(handle.epoch, min_engines=min_engines) if isinstance(
-            handle.epoch, Staged) else Staged(min_engines=min_engines)
-        handle.epoch, handle.pause_mode = opened, pause_mode
-        handle.checks = Checks(verify=verify_weights, canary=canary)
-        plan = self._plan_for("flip()", _PREPARED)
-        return self._staged.flip(handle, plan, staged_digest)
+        if deprecated:
+            reopened(handle, deprecated)
+        return self._staged.flip(handle, self._plan_for("flip()", _PREPARED), staged_digest)
 
     @property
     def delta_base_bytes(self) -> int:
@@ -438,20 +367,14 @@ class Fleet:
     def check_canary(self, version: int, canary: Canary,
                      committed: Sequence[pb.UpdateWeightsResponse],
                      links: Sequence[Any] | None = None) -> None:
-        """Compare every engine's canary log-probabilities with the trainer's
-        (`checks.canary_close`).
-
-        Args:
-            version: the epoch's version, for the message.
-            canary: the canary the epoch carried.
-            committed: one COMMITTED per engine.
-            links: the shims `committed` answers for; by default the group's.
+        """Compare every engine's canary log-probabilities (one COMMITTED per engine of
+        `links`, by default the group's) with the trainer's (`checks.canary_close`).
 
         Raises:
             CanaryMismatchError: naming every engine out of tolerance, with every gap.
         """
         canary_close(version, canary, committed,
-                     _links(self.membership.group) if links is None else links)
+                     links_of(self.membership.group) if links is None else links)
 
     # --- membership -----------------------------------------------------------------------
 
@@ -472,9 +395,8 @@ class Fleet:
         return self.membership.left_behind
 
     def add(self, worker: WorkerEndpoint | Mapping[str, Any]) -> None:
-        """Add a worker; it joins at the next epoch boundary: the next `refit()` prepares it,
-        forms the group again with it, and its first epoch (a full one) brings it to the
-        fleet's version.
+        """Add a worker (its endpoint, or Dynamo-style metadata): the next `refit()` prepares
+        it and forms the group again with it, and its first epoch brings it up to date.
 
         Raises:
             InvalidArgumentError: an instance id the fleet already has.
@@ -514,16 +436,10 @@ class Fleet:
 
     def catch_up(self, instance_id: str, *, timeout_s: float | None = None,
                  pause_mode: PauseMode = PauseMode.KEEP) -> CatchUpReport:
-        """Bring a worker to the fleet's version from a member's committed copy, without the
-        trainer in the transfer (docs/protocol.md, "Catch-up from a peer"): a worker added,
-        restarted or left behind. The last epoch must have been staged; the worker is prepared
-        first, leaves its data group, and joins the next epoch's group (readmitted if it was
-        left behind). On failure it is as it was.
-
-        Args:
-            instance_id: the worker, a member or left behind.
-            timeout_s: each attempt's deadline; by default the epoch timeout.
-            pause_mode: how it pauses its requests for the load.
+        """Bring a worker (added, restarted or left behind) to the fleet's version from a
+        member's committed copy, without the trainer in the transfer (docs/protocol.md,
+        "Catch-up from a peer"; `CatchUps.start`): the last epoch must have been staged.
+        `timeout_s`: each attempt's (default: the epoch timeout); `pause_mode`: for the load.
 
         Raises:
             CatchUpError: NO_CATCH_UP_PEER or CATCH_UP_FAILED (every peer tried, named).
@@ -554,15 +470,13 @@ class Fleet:
     # --- every shim -----------------------------------------------------------------------
 
     def flush_cache(self, mode: PauseMode = PauseMode.WAIT) -> bool:
-        """Drain, clear the KV/prefix cache and resume, on every member in parallel.
-
-        Returns:
-            True (NeMo RL's channel's return), once every shim resumed.
+        """Drain (`mode`), clear the KV/prefix cache and resume, on every member in parallel;
+        True (NeMo RL's channel's return) once every one resumed.
 
         Raises:
             FleetError: every shim that failed, together (a BROKEN shim refuses to resume).
         """
-        self.calls.flush(links(self.membership.members), mode)
+        self.calls.flush(links_of(self.membership.members), mode)
         return True
 
     def describe(self, weights_digest: bool = True) -> list[pb.DescribeResponse]:
@@ -573,19 +487,19 @@ class Fleet:
             FleetError: every shim that failed, together (`describe_each()` does not raise).
         """
         request = pb.DescribeRequest(skip_weights_digest=not weights_digest)
-        return self.calls.all("Describe", links(self.membership.current), lambda w: request,
+        return self.calls.all("Describe", links_of(self.membership.current), lambda w: request,
                               "describe failed")
 
     def describe_each(self, weights_digest: bool = True) -> list[pb.DescribeResponse | WorkerFailure]:
         """Describe on every shim in parallel, for status views where one dead shim must not
         hide the others: one entry per worker, its answer or the `WorkerFailure` why none."""
         request = pb.DescribeRequest(skip_weights_digest=not weights_digest)
-        return self.calls.each("Describe", links(self.membership.current), lambda w: request)
+        return self.calls.each("Describe", links_of(self.membership.current), lambda w: request)
 
     def abort(self, reason: str = "aborted by driver") -> list[pb.AbortResponse | None]:
         """Abort on every shim in parallel; best effort, never raises, never retries, bounded
         by `abort_timeout_s`: one entry per worker, its answer or None."""
-        return self.calls.abort(reason, links(self.membership.current))
+        return self.calls.abort(reason, links_of(self.membership.current))
 
     def close(self) -> None:
         """End every open epoch (its streams cancelled, its threads joined), then the channels."""
@@ -601,29 +515,6 @@ class Fleet:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-_links = links  # `check_canary`'s argument shadows the name
-
-
-def _epoch_of(mode: EpochMode | str, *, flush: bool, min_engines: int | None,
-              delta: bool) -> Epoch:
-    """The epoch the keywords describe (options of the other mode refused)."""
-    try:
-        mode = EpochMode(mode)
-    except ValueError:
-        raise InvalidArgumentError(f"mode must be one of {[m.value for m in EpochMode]}, "
-                                   f"got {mode!r}", reason=Reason.INVALID_EPOCH_MODE) from None
-    if mode is EpochMode.STAGED:
-        return Staged(min_engines=min_engines, delta=delta)
-    if delta:
-        raise InvalidArgumentError("delta=True is for staged epochs (mode=\"staged\")",
-                                   reason=Reason.INVALID_DELTA)
-    if min_engines is not None:
-        raise InvalidArgumentError("min_engines is for staged epochs: an in-place epoch "
-                                   "cannot leave an engine behind unharmed",
-                                   reason=Reason.INVALID_MIN_ENGINES)
-    return InPlace(flush=flush)
 
 
 __all__ = ["EpochReport", "Fleet", "WorkerReport"]

@@ -29,7 +29,7 @@ from refit_grpc.driver.failures import FleetError, WorkerFailure, root_causes_fi
 from refit_grpc.driver.links import GlooLink, TrainerLink
 from refit_grpc.driver.membership import Member, Membership, links
 from refit_grpc.driver.plans import check_prepared, prepare_on, prepare_request
-from refit_grpc.errors import RefitError
+from refit_grpc.errors import InvalidArgumentError, RefitError
 from refit_grpc.plan import RefitPlan
 from refit_grpc.proto import BACKEND_FROM_NAME, pb
 from refit_grpc.reasons import Reason
@@ -82,8 +82,19 @@ class GroupFormation:
     def start(self, members: Sequence[Member], plan: RefitPlan, ip: str, port: int,
               world_size: int, train_world_size: int, group_id: str | None = None
               ) -> list[Future]:
-        """InitCollective on every member, without waiting (`Fleet.init_collective()`,
-        which validates the arguments and documents it): one future per member."""
+        """InitCollective on every member, without waiting (`Fleet.init_collective()`
+        documents it): one future per member.
+
+        Raises:
+            InvalidArgumentError: a world size that is not `train_world_size` + the members'
+                ranks (INVALID_WORLD_SIZE).
+            MembershipChangedError: `validate_workers` reports a change.
+        """
+        inference_world_size = len(members) * self.config.engine_world_size
+        if world_size != train_world_size + inference_world_size:
+            raise InvalidArgumentError(
+                f"world_size {world_size} != train_world_size {train_world_size} + "
+                f"inference_world_size {inference_world_size}", reason=Reason.INVALID_WORLD_SIZE)
         self.membership.check_unchanged()
         shims = links(members)
         quick = pb.DescribeRequest(skip_weights_digest=True)
@@ -99,6 +110,13 @@ class GroupFormation:
         self.group_id = group_id
         self.membership.formed(members, instances)
         return futures
+
+    def check_backend(self) -> None:
+        """Refuse nccl without CUDA in the trainer, before any shim is asked to join (they
+        would wait for a rank 0 that never comes): InvalidArgumentError, BACKEND_UNAVAILABLE."""
+        if self.config.backend == "nccl" and not torch.cuda.is_available():
+            raise InvalidArgumentError("backend nccl needs CUDA in the trainer",
+                                       reason=Reason.BACKEND_UNAVAILABLE)
 
     def form(self, members: Sequence[Member], plan: RefitPlan, ip: str, port: int = 0, *,
              device: torch.device | int | None = None) -> TrainerLink:
@@ -261,6 +279,21 @@ class GroupFormation:
         return cause_failures + missing + root_causes_first(rest)
 
 
+def check_formation(group_id: str | None, port: int) -> None:
+    """Refuse a formation's name and port before any shim is asked (`Fleet.init_collective()`).
+
+    Raises:
+        InvalidArgumentError: an empty group_id, or a port out of range.
+    """
+    if group_id is not None and not group_id:
+        raise InvalidArgumentError("group_id is empty", reason=Reason.INVALID_GROUP_ID)
+    if not 0 < port < 65536:
+        raise InvalidArgumentError(
+            f"master_port {port} out of range: init_collective needs the port the trainer's "
+            "store listens on (connect() binds one itself with port 0)",
+            reason=Reason.INVALID_MASTER_PORT)
+
+
 def _collect(futures: Sequence[Future], timeout_s: float,
              shims: Sequence[WorkerLink]) -> list[WorkerFailure]:
     """The failures of the joins `futures` (one per shim), waiting at most `timeout_s` for
@@ -281,4 +314,4 @@ def _collect(futures: Sequence[Future], timeout_s: float,
     return failures
 
 
-__all__ = ["GroupFormation"]
+__all__ = ["GroupFormation", "check_formation"]

@@ -10,36 +10,20 @@ from collections.abc import Mapping
 import torch
 
 from refit_grpc.common import PauseMode
-from refit_grpc.driver.calls import ShimCalls
 from refit_grpc.driver.checks import Checks
 from refit_grpc.driver.epoch import ProgressCallback
-from refit_grpc.driver.epochs import Epochs
+from refit_grpc.driver.epochs import RoundParts
 from refit_grpc.driver.failures import EpochFailedError, FleetError
-from refit_grpc.driver.groups import GroupFormation
 from refit_grpc.driver.links import TrainerLink
-from refit_grpc.driver.membership import Membership, links
+from refit_grpc.driver.membership import links
 from refit_grpc.driver.options import InPlace
 from refit_grpc.driver.reports import EpochReport, WorkerReport
 from refit_grpc.errors import RefitError
 from refit_grpc.plan import RefitPlan
 
 
-class InPlaceRound:
-    """Runs in-place epochs (module docstring).
-
-    Args:
-        calls: the calls to the shims (the flush).
-        membership: the shims (who the flush reaches: the members).
-        formation: the data group, dropped when an epoch fails.
-        epochs: opens each epoch.
-    """
-
-    def __init__(self, calls: ShimCalls, membership: Membership, formation: GroupFormation,
-                 epochs: Epochs):
-        self.calls = calls
-        self.membership = membership
-        self.formation = formation
-        self.epochs = epochs
+class InPlaceRound(RoundParts):
+    """Runs in-place epochs (module docstring), from `RoundParts`."""
 
     def run(self, link: TrainerLink, tensors: Mapping[str, torch.Tensor], plan: RefitPlan,
             version: int | None, *, epoch: InPlace, checks: Checks, pause_mode: PauseMode,

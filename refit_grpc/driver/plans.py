@@ -1,6 +1,6 @@
-"""Storing the plan on shims (Prepare): the one request every shim gets, and the check that
-every shim computed the driver's plan digest. Used by `Fleet.prepare()`, a group re-formed
-with shims that have no plan yet, and a catch-up."""
+"""The plan on the shims: the packing they agree on (one Describe round), the one Prepare
+every shim gets, and the check that every shim computed the driver's plan digest. Used by
+`Fleet.prepare()`, a group re-formed with shims that have no plan yet, and a catch-up."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 
 from refit_grpc.driver.calls import ShimCalls, WorkerLink
 from refit_grpc.driver.failures import FleetError, WorkerFailure
-from refit_grpc.plan import RefitPlan
+from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import DTYPE_TO_PROTO, pb
 from refit_grpc.reasons import Reason
 
@@ -51,4 +51,21 @@ def prepare_on(calls: ShimCalls, plan: RefitPlan, links: Sequence[WorkerLink]) -
     check_prepared(plan, links, answers)
 
 
-__all__ = ["check_prepared", "prepare_on", "prepare_request"]
+def negotiate_packing(calls: ShimCalls, links: Sequence[WorkerLink]) -> Packing:
+    """The packing every shim of `links` offers (one Describe round).
+
+    Raises:
+        FleetError: the shims offer different packings (receivers would mis-split bytes
+            silently), or a Describe failed.
+    """
+    quick = pb.DescribeRequest(skip_weights_digest=True)
+    offers = {(d.packing.buffer_size_bytes, d.packing.num_buffers)
+              for d in calls.all("Describe", links, lambda w: quick, "describe failed")}
+    if len(offers) != 1:
+        raise FleetError(f"shims offer different packings {sorted(offers)}; "
+                         "pass packing= to Fleet", [])
+    size, n = offers.pop()
+    return Packing(size, n)
+
+
+__all__ = ["check_prepared", "negotiate_packing", "prepare_on", "prepare_request"]

@@ -18,11 +18,9 @@ import torch
 from refit_grpc.collective import pack_into
 from refit_grpc.common import EpochMode, PauseMode
 from refit_grpc.delta import flat_copy, send_delta
-from refit_grpc.driver.calls import ShimCalls
 from refit_grpc.driver.checks import Checks
-from refit_grpc.driver.config import FleetConfig
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback
-from refit_grpc.driver.epochs import DeltaBase, Epochs
+from refit_grpc.driver.epochs import DeltaBase, RoundParts
 from refit_grpc.driver.failures import (
     FleetError,
     QuorumError,
@@ -30,9 +28,8 @@ from refit_grpc.driver.failures import (
     explained_by_abort,
     odd_digests,
 )
-from refit_grpc.driver.groups import GroupFormation
 from refit_grpc.driver.links import GlooLink, TrainerLink
-from refit_grpc.driver.membership import Member, Membership, links
+from refit_grpc.driver.membership import Member, links
 from refit_grpc.driver.options import Staged
 from refit_grpc.driver.reports import EpochReport, WorkerReport
 from refit_grpc.errors import InvalidArgumentError, RefitError
@@ -82,24 +79,10 @@ class _Staging:
     reforms: int = 0
 
 
-class StagedRound:
-    """Runs staged epochs and flips them (module docstring).
-
-    Args:
-        config: the fleet's configuration (deadlines).
-        calls: the calls to the shims.
-        membership: the shims; those left behind are recorded there.
-        formation: the data group, re-formed without the engines that failed.
-        epochs: opens each round's epoch; keeps the committed version and the delta base.
-    """
-
-    def __init__(self, config: FleetConfig, calls: ShimCalls, membership: Membership,
-                 formation: GroupFormation, epochs: Epochs):
-        self.config = config
-        self.calls = calls
-        self.membership = membership
-        self.formation = formation
-        self.epochs = epochs
+class StagedRound(RoundParts):
+    """Runs staged epochs and flips them (module docstring), from `RoundParts`: the shims
+    left behind are recorded in the membership, the group re-formed without them, the
+    committed version and the delta base kept by the epochs."""
 
     # --- a whole staged epoch -------------------------------------------------------------
 
@@ -223,7 +206,7 @@ class StagedRound:
         # good as dead for this epoch.
         request = pb.DescribeRequest(skip_weights_digest=True)
         answers = self.calls.once("Describe", links(failed), lambda w: request,
-                                  self.config.abort_timeout_s)
+                                  self.epochs.config.abort_timeout_s)
         retry = []
         for m, answer in zip(failed, answers):
             f = by_id[m.instance_id]
@@ -321,7 +304,7 @@ class StagedRound:
         answers = self.calls.once("Flip", links(members), lambda w: pb.FlipRequest(
             version=version, staged_digest=digest, pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
             stay_paused=stay_paused, instance_id=instance_of[w.endpoint.instance_id]),
-            self.config.epoch_timeout_s)
+            self.epochs.config.epoch_timeout_s)
         flipped: dict[Member, pb.FlipResponse] = {}
         failed: dict[Member, WorkerFailure] = {}
         for m, answer in zip(members, answers):
