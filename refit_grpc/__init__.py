@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from refit_grpc.driver import WorkerEndpoint as WorkerEndpoint
     from refit_grpc.driver.catch_up import CatchUpError as CatchUpError
     from refit_grpc.driver.catch_up import CatchUpReport as CatchUpReport
+    from refit_grpc.driver.checks import Checks as Checks
     from refit_grpc.driver.config import FleetConfig as FleetConfig
     from refit_grpc.driver.config import FleetState as FleetState
     from refit_grpc.driver.config import FleetStateError as FleetStateError
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
     from refit_grpc.driver.failures import QuorumError as QuorumError
     from refit_grpc.driver.failures import WeightsMismatchError as WeightsMismatchError
     from refit_grpc.driver.failures import WorkerFailure as WorkerFailure
+    from refit_grpc.driver.options import InPlace as InPlace
+    from refit_grpc.driver.options import Staged as Staged
+    from refit_grpc.errors import InvalidArgumentError as InvalidArgumentError
     from refit_grpc.errors import MembershipChangedError as MembershipChangedError
     from refit_grpc.errors import RefitError as RefitError
     from refit_grpc.plan import Packing as Packing

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from refit_grpc import CatchUpError, Fleet, Packing, WorkerEndpoint
-from refit_grpc.driver import membership
 from refit_grpc.driver.failures import WorkerFailure, failure_from_rpc
+from refit_grpc.driver.plans import prepare_on
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
@@ -87,8 +87,8 @@ def test_no_peer_after_an_in_place_epoch_and_a_target_refusing_is_not_retried(st
 
         fleet.refit(link, weights(2), mode="staged")
         # As if a staged epoch had gone on without b.
-        membership.leave_behind(fleet, {1: WorkerFailure("b", b.address, grpc.StatusCode.UNAVAILABLE,
-                                                         "UNAVAILABLE", "as if it had died")})
+        fleet.membership.leave_behind({fleet.membership.find("b"): WorkerFailure(
+            "b", b.address, grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "as if it had died")})
         with pytest.raises(CatchUpError) as e:  # b holds version 2 already
             fleet.catch_up("b")
         assert e.value.reason == Reason.CATCH_UP_FAILED
@@ -121,7 +121,7 @@ def test_every_bad_catch_up_request_is_refused_with_its_reason_and_changes_nothi
         link = fleet.connect("127.0.0.1")
         fleet.refit(link, weights(1), mode="staged")
         fleet.add(endpoint("n", newcomer))
-        fleet._prepare_on(fleet.plan, [fleet._workers[1]])
+        prepare_on(fleet.calls, fleet.plan, [fleet.membership.find("n").link])
         good = serve_request(peer)
         serve = peer.stub.ServeCatchUp
         assert refused(serve, serve_request(peer, version=2)) == \

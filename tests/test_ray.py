@@ -32,10 +32,13 @@ from ray.exceptions import RayTaskError
 
 from refit_grpc import (
     EpochFailedError,
+    EpochMode,
     EpochRefusedError,
     Fleet,
     FleetError,
+    InPlace,
     Packing,
+    Staged,
     WorkerEndpoint,
 )
 from refit_grpc.errors import FailedPreconditionError
@@ -113,7 +116,7 @@ class Trainer:
         self.channel = DynamoRefitChannel(workers, engine_world_size=1, control_timeout_s=10,
                                           validate_workers=lambda md: md, join_timeout_s=30,
                                           epoch_timeout_s=30, packing=Packing(buffer, 2),
-                                          mode=mode)
+                                          epoch=Staged() if mode == "staged" else InPlace())
         self.group = None
         self.refs: list[ray.ObjectRef] = []
 
@@ -518,6 +521,18 @@ def test_the_seed_surface_without_a_cluster():
     assert copy.sender_spec == Packing(1024, 2) and copy.control_timeout_s == 5
     whole = pickle.loads(pickle.dumps(ch))
     assert whole.validate_workers is len and whole.workers == ch.workers
+    assert ch.epoch == InPlace() and ch.mode is EpochMode.IN_PLACE
+    staged = RefitChannel(ch.workers, engine_world_size=1, control_timeout_s=5,
+                          epoch=Staged(min_engines=1))
+    assert pickle.loads(pickle.dumps(staged.client_copy())).epoch == Staged(min_engines=1)
+    # The keywords before `epoch=` work one more release, with a DeprecationWarning.
+    with pytest.warns(DeprecationWarning, match="epoch=Staged"):
+        old = RefitChannel(ch.workers, engine_world_size=1, control_timeout_s=5,
+                           mode="staged", min_engines=1)
+    assert (old.epoch, old.mode, old.min_engines) == (Staged(min_engines=1), EpochMode.STAGED, 1)
+    with pytest.raises(ValueError):
+        RefitChannel(ch.workers, engine_world_size=1, control_timeout_s=5, epoch=Staged(),
+                     mode="staged")
     with pytest.raises(ValueError):
         ch.prepare(None)
     with pytest.raises(RuntimeError):

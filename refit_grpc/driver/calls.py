@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import tenacity
 
+from refit_grpc.common import PauseMode
 from refit_grpc.driver.config import FleetConfig
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.failures import (
@@ -31,7 +32,7 @@ from refit_grpc.driver.failures import (
     WorkerFailure,
     failure_from_rpc,
 )
-from refit_grpc.proto import pb, pb_grpc
+from refit_grpc.proto import PAUSE_MODE_TO_PROTO, pb, pb_grpc
 
 # A pool bound no fleet reaches: ThreadPoolExecutor starts a thread only when none is idle.
 _NO_BOUND = 1 << 16
@@ -128,6 +129,13 @@ class ShimCalls:
         return [None if isinstance(a, WorkerFailure) else a
                 for a in self.once("Abort", links, lambda w: request,
                                    self.config.abort_timeout_s)]
+
+    def flush(self, links: Sequence[WorkerLink], mode: PauseMode = PauseMode.WAIT,
+              what: str = "flush failed") -> None:
+        """Flush on every link in parallel (drain, clear the caches, resume); raises as
+        `all()`."""
+        request = pb.FlushRequest(mode=PAUSE_MODE_TO_PROTO[mode])
+        self.all("Flush", links, lambda w: request, what)
 
     @staticmethod
     def _answers(links: Sequence[WorkerLink], futures: Sequence[Future]) -> list[Any]:

@@ -13,8 +13,9 @@ Fencing: the fleet asks only a peer whose committed copy (Describe `committed_co
 any other (PEER_COPY_MISMATCH) and the newcomer refuses bytes with another digest
 (STAGED_DIGEST_MISMATCH) before it loads anything.
 
-`Fleet.catch_up()` and `Fleet.catch_up_async()` choose the peers and apply the outcome to the
-fleet's membership; this module runs one catch-up against an ordered list of peers.
+`CatchUps` (what `Fleet.catch_up()` and `Fleet.catch_up_async()` use) chooses the peers, runs
+each catch-up on a thread of its own and applies the outcome to the fleet's `Membership`;
+`catch_up_from_peers` runs one catch-up against an ordered list of peers.
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from refit_grpc.common import PauseMode
-from refit_grpc.driver.calls import WorkerLink
+from refit_grpc.driver.calls import ShimCalls, WorkerLink
 from refit_grpc.driver.failures import FleetError, WorkerFailure, failure_from_rpc
+from refit_grpc.driver.membership import Membership, links
+from refit_grpc.driver.plans import prepare_on
 from refit_grpc.plan import RefitPlan
 from refit_grpc.proto import PAUSE_MODE_TO_PROTO, pb
 from refit_grpc.reasons import Reason
@@ -151,18 +155,10 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
     """One catch-up from one peer: its LISTENING, the target's CatchUp, the peer's SENT."""
     group_id = f"catchup-{uuid.uuid4().hex[:12]}"
     address = listen_address(peer.endpoint.address)
-    serve: Any = peer.stub.ServeCatchUp(pb.ServeCatchUpRequest(
+    serve, listening = _serve(peer, pb.ServeCatchUpRequest(
         version=version, staged_digest=staged_digest, plan_digest=plan.digest,
         listen_address=address, group_id=group_id, target_instance_id=target_instance,
-        world_size=world_size), timeout=timeout_s, metadata=peer.metadata)
-    try:
-        listening = next(serve)
-    except grpc.RpcError as e:
-        raise _AttemptFailed([failure_from_rpc(peer.endpoint, e)], True) from e
-    except StopIteration:
-        raise _AttemptFailed([WorkerFailure(
-            peer.endpoint.instance_id, peer.endpoint.address, grpc.StatusCode.INTERNAL,
-            Reason.DRIVER_ERROR, "ServeCatchUp ended before LISTENING")], True) from None
+        world_size=world_size), timeout_s)
     # The target's CatchUp runs on a thread of gRPC's own (a future), the peer's stream here.
     call = target.stub.CatchUp.future(pb.CatchUpRequest(
         version=version, staged_digest=staged_digest, plan_digest=plan.digest,
@@ -211,6 +207,20 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
     return answer
 
 
+def _serve(peer: WorkerLink, request: pb.ServeCatchUpRequest, timeout_s: float
+           ) -> tuple[Any, pb.ServeCatchUpResponse]:
+    """The peer's ServeCatchUp stream, and its first message (LISTENING, with the port)."""
+    serve: Any = peer.stub.ServeCatchUp(request, timeout=timeout_s, metadata=peer.metadata)
+    try:
+        return serve, next(serve)
+    except grpc.RpcError as e:
+        raise _AttemptFailed([failure_from_rpc(peer.endpoint, e)], True) from e
+    except StopIteration:
+        raise _AttemptFailed([WorkerFailure(
+            peer.endpoint.instance_id, peer.endpoint.address, grpc.StatusCode.INTERNAL,
+            Reason.DRIVER_ERROR, "ServeCatchUp ended before LISTENING")], True) from None
+
+
 def _peer_gone(peer: WorkerLink) -> WorkerFailure | None:
     """Why the peer does not answer (dead, frozen), or None when it does: one Describe, as
     bounded as an abort."""
@@ -247,4 +257,77 @@ _TRY_ANOTHER_PEER = {Reason.COLLECTIVE_FAILED, Reason.GROUP_CLOSED, Reason.RENDE
                      Reason.RENDEZVOUS_TIMEOUT, Reason.RECEIVE_FAILED, Reason.DEADLINE_EXCEEDED,
                      Reason.STAGED_DIGEST_MISMATCH}
 
-__all__ = ["CatchUpError", "CatchUpReport", "catch_up_from_peers", "listen_address"]
+
+
+class CatchUps:
+    """The fleet's catch-ups: started on a pool of their own, applied to the membership when
+    settled (`settle()`, which every epoch runs first: a peer cannot take the next version into
+    its copy while it serves this one).
+
+    Args:
+        calls: the calls to the shims.
+        membership: the shims; a catch-up that succeeded changes it.
+    """
+
+    def __init__(self, calls: ShimCalls, membership: Membership):
+        self.calls = calls
+        self.membership = membership
+        self._pending: list[Future[CatchUpReport]] = []
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="catch-up")
+
+    def start(self, instance_id: str, plan: RefitPlan, committed: tuple[int, str] | None, *,
+              latest: int, timeout_s: float, pause_mode: PauseMode) -> Future[CatchUpReport]:
+        """Start catching `instance_id` up to `committed` (the fleet's version and staged
+        digest, as its members' committed copies hold it; None: none does): prepare it,
+        choose the members that hold that copy and are idle, and run `catch_up_from_peers`
+        on the pool (`Fleet.catch_up_async()` documents it).
+
+        Raises:
+            CatchUpError: NO_CATCH_UP_PEER, at once.
+        """
+        target = self.membership.find(instance_id)
+        if committed is None:
+            raise CatchUpError(f"no member holds the fleet's version {latest} in a committed "
+                               "copy (the last epoch was in place, or none flipped yet); the "
+                               "next epoch brings the worker to it", [],
+                               reason=Reason.NO_CATCH_UP_PEER)
+        version, digest = committed
+        prepare_on(self.calls, plan, [target.link])
+        quick = pb.DescribeRequest(skip_weights_digest=True)
+        (about,) = self.calls.all("Describe", [target.link], lambda w: quick,
+                                  "Describe of the worker catching up failed")
+        candidates = [m for m in self.membership.members if m is not target]
+        answers = self.calls.each("Describe", links(candidates), lambda w: quick)
+        peers = [m.link for m, a in zip(candidates, answers)
+                 if isinstance(a, pb.DescribeResponse)
+                 and (a.committed_copy_version, a.committed_copy_digest) == (version, digest)
+                 and a.state in (pb.SHIM_STATE_READY, pb.SHIM_STATE_PREPARED)
+                 and not a.serving_catch_up_to]
+        if not peers:
+            raise CatchUpError(f"no member holds version {version} ({digest[:16]}) in its "
+                               "committed copy, or every one that does is busy; the next epoch "
+                               "brings the worker to it", [], reason=Reason.NO_CATCH_UP_PEER)
+        future = self._pool.submit(
+            catch_up_from_peers, target.link, peers, version=version, staged_digest=digest,
+            plan=plan, target_world_size=max(about.engine_world_size, 1),
+            target_instance=about.instance_id, timeout_s=timeout_s, pause_mode=pause_mode)
+        self._pending.append(future)
+        return future
+
+    def settle(self) -> None:
+        """Wait for the catch-ups under way; each that succeeded changes the membership
+        (`Membership.caught_up`). A failed one is the caller's news (its future's error)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            try:
+                report = future.result()
+            except CatchUpError as e:
+                log.warning("a catch-up failed, the next epoch brings its worker up: %s", e)
+                continue
+            self.membership.caught_up(report.instance_id)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["CatchUpError", "CatchUpReport", "CatchUps", "catch_up_from_peers", "listen_address"]

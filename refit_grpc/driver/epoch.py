@@ -13,8 +13,9 @@ from concurrent.futures import Executor
 
 import grpc
 
-from refit_grpc.common import Deadline
+from refit_grpc.common import Deadline, PauseMode
 from refit_grpc.driver.calls import WorkerLink
+from refit_grpc.driver.checks import Checks
 from refit_grpc.driver.failures import (
     EpochFailedError,
     EpochRefusedError,
@@ -25,6 +26,7 @@ from refit_grpc.driver.failures import (
     failure_from_rpc,
     root_causes_first,
 )
+from refit_grpc.driver.options import Epoch, InPlace, Staged
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
 
@@ -60,12 +62,16 @@ class EpochHandle:
 
     `close()` cancels every stream still open and waits for its consumers; `Fleet.close()`
     closes every epoch it opened, then its pool, so no thread outlives the fleet.
+
+    The handle carries what the epoch was opened with (`epoch`, `checks`, `pause_mode`), so
+    `Fleet.flip()` ends a staged one as it was opened, with nothing repeated.
     """
 
     def __init__(self, workers: Sequence[WorkerLink], version: int,
                  requests: Sequence[pb.UpdateWeightsRequest], timeout_s: float,
                  abort_fleet: AbortFleet, on_progress: ProgressCallback | None = None, *,
-                 streams: Executor):
+                 streams: Executor, epoch: Epoch | None = None, checks: Checks | None = None,
+                 pause_mode: PauseMode = PauseMode.KEEP):
         self.version = version
         self.started_at = time.monotonic()
         self.deadline_at = self.started_at + timeout_s
@@ -73,7 +79,13 @@ class EpochHandle:
         self._abort_fleet = abort_fleet
         # A staged epoch's abort spares the workers that already STAGED: their copies wait for
         # the flip (or the trainer drops them), and only unfinished receives need tearing down.
-        self.staged = bool(requests) and requests[0].mode == pb.EPOCH_MODE_STAGED
+        if epoch is None:
+            epoch = Staged() if requests and requests[0].mode == pb.EPOCH_MODE_STAGED \
+                else InPlace()
+        self.epoch: Epoch = epoch
+        self.staged = isinstance(epoch, Staged)
+        self.checks = checks or Checks()
+        self.pause_mode = pause_mode
         self._on_progress = on_progress
         n = len(self._workers)
         self._phase = [StreamPhase.OPEN] * n

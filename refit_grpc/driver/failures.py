@@ -91,7 +91,7 @@ class EpochFailedError(FleetError):
 
 
 class WeightsMismatchError(FleetError):
-    """Every engine committed, but their weights digests differ (`refit(verify_weights=True)`).
+    """Every engine committed, but their weights digests differ (`Checks(verify=True)`).
 
     The fleet was not flushed, so the engines stay paused and serve nothing; `failures` names
     the engines whose digest is not the fleet's.
@@ -102,7 +102,7 @@ class WeightsMismatchError(FleetError):
 
 class CanaryMismatchError(FleetError):
     """Every engine committed, but some computed the canary's log-probabilities away from the
-    trainer's by more than the tolerance, or could not compute them (`refit(canary=...)`).
+    trainer's by more than the tolerance, or could not compute them (`Checks(canary=...)`).
 
     The fleet was not flushed, so the engines stay paused and serve nothing.
 

@@ -1,183 +1,216 @@
-"""The fleet's membership: workers added, removed, followed from discovery, left behind by a
-staged epoch, readmitted, and caught up from a peer (docs/protocol.md, "Membership" and
-"Catch-up from a peer"). Functions of a `Fleet`, which delegates its public methods here:
-membership changes take effect at the next epoch boundary, where `Fleet.refit()` forms the
-group again of `fleet._members`; this module keeps those books and starts catch-ups
-(`refit_grpc.driver.catch_up` runs one).
+"""The fleet's membership (docs/protocol.md, "Membership"): one record per shim the fleet ever
+had (`Member`: its endpoint, its link, removed or not, why a staged epoch left it behind, the
+instance it joined the data group as), and the books kept on them: shims added, removed,
+followed from discovery, left behind, readmitted, caught up.
+
+Membership changes take effect at the next epoch boundary: `Fleet.refit()` forms the group
+again of `Membership.members` when it differs from `Membership.group` (`driver.groups`).
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from refit_grpc.common import PauseMode
-from refit_grpc.driver.catch_up import CatchUpError, CatchUpReport, catch_up_from_peers
-from refit_grpc.driver.config import FleetState, refuse_unless
+import grpc
+
+from refit_grpc.driver.calls import WorkerLink
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.failures import WorkerFailure
-from refit_grpc.errors import InvalidArgumentError
-from refit_grpc.proto import pb
+from refit_grpc.errors import InvalidArgumentError, MembershipChangedError
 from refit_grpc.reasons import Reason
 
-if TYPE_CHECKING:
-    from refit_grpc.driver.fleet import Fleet
-
-log = logging.getLogger(__name__)
-
-# States in which a worker may be added: any but CLOSED.
-_OPEN = (FleetState.EMPTY, FleetState.PREPARED, FleetState.CONNECTED)
+# NeMo RL's membership hook: the workers' metadata in, the membership as it sees it now out.
+ValidateWorkers = Callable[[list[dict]], list[dict]]
 
 
 def endpoint_of(worker: WorkerEndpoint | Mapping[str, Any]) -> WorkerEndpoint:
+    """A worker as a `WorkerEndpoint` (Dynamo-style metadata is converted)."""
     return worker if isinstance(worker, WorkerEndpoint) else WorkerEndpoint.from_metadata(worker)
 
 
-def add(fleet: Fleet, worker: WorkerEndpoint | Mapping[str, Any]) -> None:
-    """`Fleet.add()`, which documents it."""
-    refuse_unless(fleet.state, _OPEN, "add()")
-    endpoint = endpoint_of(worker)
-    if any(e.instance_id == endpoint.instance_id for e in fleet.endpoints):
-        raise InvalidArgumentError(f"worker {endpoint.instance_id!r} is already in the fleet",
+@dataclass(eq=False)
+class Member:
+    """One shim the fleet has had (records are never deleted: a removed one is marked).
+
+    Args:
+        endpoint: where it is.
+        link: the stub the driver calls it through.
+        removed: `remove()`d (or gone from a `sync()`): never called again.
+        left_behind: why a staged epoch went on without it; None while it is a member.
+        joined_as: the instance id it joined the current data group as; None: not in it.
+    """
+
+    endpoint: WorkerEndpoint
+    link: WorkerLink
+    removed: bool = False
+    left_behind: WorkerFailure | None = None
+    joined_as: str | None = None
+
+    @property
+    def instance_id(self) -> str:
+        return self.endpoint.instance_id
+
+
+class Membership:
+    """Every shim the fleet has had, in the order given or added (module docstring).
+
+    Args:
+        workers: the first shims; instance ids unique, at least one.
+        open_link: opens the link to a shim (`ShimCalls.open`).
+        validate_workers: NeMo RL's membership hook (`check_unchanged`).
+
+    Raises:
+        InvalidArgumentError: no worker, or duplicate instance ids.
+    """
+
+    def __init__(self, workers: Sequence[WorkerEndpoint | Mapping[str, Any]],
+                 open_link: Callable[[WorkerEndpoint], WorkerLink],
+                 validate_workers: ValidateWorkers | None = None):
+        if not workers:
+            raise InvalidArgumentError("a fleet needs at least one worker",
+                                       reason=Reason.INVALID_ARGUMENT)
+        endpoints = [endpoint_of(w) for w in workers]
+        if len({e.instance_id for e in endpoints}) != len(endpoints):
+            raise InvalidArgumentError("worker instance ids must be unique",
+                                       reason=Reason.INVALID_ARGUMENT)
+        self.validate_workers = validate_workers
+        self._open_link = open_link
+        self._records = [Member(e, open_link(e)) for e in endpoints]
+
+    # --- who is who -----------------------------------------------------------------------
+
+    @property
+    def current(self) -> list[Member]:
+        """Every shim not removed, in order."""
+        return [m for m in self._records if not m.removed]
+
+    @property
+    def endpoints(self) -> tuple[WorkerEndpoint, ...]:
+        return tuple(m.endpoint for m in self.current)
+
+    @property
+    def members(self) -> list[Member]:
+        """What the next group is formed of: every shim but those removed or left behind."""
+        return [m for m in self._records if not m.removed and m.left_behind is None]
+
+    @property
+    def group(self) -> list[Member]:
+        """The shims the current data group holds, in order (empty: no group)."""
+        return [m for m in self._records if m.joined_as is not None]
+
+    def group_is_members(self) -> bool:
+        """The group holds exactly the members (no re-forming needed)."""
+        return self.group == self.members
+
+    @property
+    def left_behind(self) -> dict[str, WorkerFailure]:
+        return {m.instance_id: m.left_behind for m in self.current if m.left_behind is not None}
+
+    def find(self, instance_id: str) -> Member:
+        """The current shim with that instance id (else InvalidArgumentError)."""
+        for m in self.current:
+            if m.instance_id == instance_id:
+                return m
+        raise InvalidArgumentError(f"no worker {instance_id!r} in the fleet",
                                    reason=Reason.INVALID_ARGUMENT)
-    fleet._endpoints.append(endpoint)
-    fleet._open_link(endpoint)
-    fleet._members.append(len(fleet._endpoints) - 1)
+
+    # --- changes (`Fleet.add()`, `remove()`, `sync()`, `readmit()` document them) ---------
+
+    def add(self, worker: WorkerEndpoint | Mapping[str, Any]) -> None:
+        endpoint = endpoint_of(worker)
+        if any(e.instance_id == endpoint.instance_id for e in self.endpoints):
+            raise InvalidArgumentError(f"worker {endpoint.instance_id!r} is already in the fleet",
+                                       reason=Reason.INVALID_ARGUMENT)
+        self._records.append(Member(endpoint, self._open_link(endpoint)))
+
+    def remove(self, instance_id: str) -> None:
+        member = self.find(instance_id)
+        if len(self.current) == 1:
+            raise InvalidArgumentError("a fleet needs at least one worker",
+                                       reason=Reason.INVALID_ARGUMENT)
+        member.removed = True
+        member.left_behind = None
+
+    def sync(self, workers: Sequence[WorkerEndpoint | Mapping[str, Any]]
+             ) -> tuple[list[str], list[str]]:
+        wanted = {e.instance_id: e for e in map(endpoint_of, workers)}
+        if not wanted:
+            raise InvalidArgumentError("a fleet needs at least one worker: an empty discovery "
+                                       "is not followed", reason=Reason.INVALID_ARGUMENT)
+        have = {e.instance_id: e for e in self.endpoints}
+        removed = [i for i, e in have.items() if wanted.get(i) != e]
+        added = [i for i, e in wanted.items() if have.get(i) != e]
+        for instance_id in removed:
+            member = self.find(instance_id)
+            member.removed = True
+            member.left_behind = None
+        for instance_id in added:
+            self.add(wanted[instance_id])
+        return added, removed
+
+    def readmit(self, instance_id: str) -> None:
+        member = next((m for m in self.current
+                       if m.instance_id == instance_id and m.left_behind is not None), None)
+        if member is None:
+            raise InvalidArgumentError(f"{instance_id!r} is not left behind",
+                                       reason=Reason.INVALID_ARGUMENT)
+        member.left_behind = None
+
+    def leave_behind(self, behind: Mapping[Member, WorkerFailure]) -> None:
+        """Shims a staged epoch went on without leave the fleet's groups until `readmit()`;
+        the next `refit()` forms the group again without them."""
+        for member, failure in behind.items():
+            member.left_behind = failure
+
+    def caught_up(self, instance_id: str) -> None:
+        """A catch-up brought the shim to the fleet's version: it left its data group (the
+        next epoch forms the group with it) and, if it was left behind, is readmitted."""
+        member = self.find(instance_id)
+        member.left_behind = None
+        member.joined_as = None
+
+    # --- the data group -------------------------------------------------------------------
+
+    def formed(self, members: Sequence[Member], instances: Sequence[str]) -> None:
+        """A group is formed of `members`, which joined as `instances` (Describe's answers):
+        it replaces any other."""
+        for m in self._records:
+            m.joined_as = None
+        for m, instance_id in zip(members, instances):
+            m.joined_as = instance_id
+
+    def group_gone(self) -> None:
+        """The data group is gone: nobody is in it."""
+        for m in self._records:
+            m.joined_as = None
+
+    def check_unchanged(self) -> None:
+        """Refuse a fleet whose membership changed since InitCollective (docs/protocol.md,
+        invariant 5), as the `validate_workers` hook sees it. A shim restarted since it joined
+        refuses the epoch itself (UpdateWeightsRequest.instance_id).
+
+        Raises:
+            MembershipChangedError: the hook's answer differs from the fleet's workers.
+        """
+        if self.validate_workers is None:
+            return
+        original = [{"instance_id": e.instance_id, "address": e.address} for e in self.endpoints]
+        current = self.validate_workers([dict(m) for m in original])
+        changed = [WorkerFailure(str(c.get("instance_id")), str(c.get("address")),
+                                 grpc.StatusCode.FAILED_PRECONDITION, Reason.MEMBERSHIP_CHANGED,
+                                 "validate_workers reported a change")
+                   for o, c in zip(original, current) if dict(o) != dict(c)]
+        if len(current) != len(original) or changed:
+            raise MembershipChangedError(
+                "membership changed after collective setup: "
+                + ("; ".join(map(str, changed)) if changed else str(current)))
 
 
-def remove(fleet: Fleet, instance_id: str) -> None:
-    """`Fleet.remove()`, which documents it."""
-    index = index_of(fleet, instance_id)
-    if len(fleet._current()) == 1:
-        raise InvalidArgumentError("a fleet needs at least one worker",
-                                   reason=Reason.INVALID_ARGUMENT)
-    fleet._removed.add(index)
-    fleet._members = [i for i in fleet._members if i != index]
-    fleet._left_behind.pop(instance_id, None)
+def links(members: Sequence[Member]) -> list[WorkerLink]:
+    """The links of `members`, in order."""
+    return [m.link for m in members]
 
 
-def sync(fleet: Fleet, workers: Sequence[WorkerEndpoint | Mapping[str, Any]]
-         ) -> tuple[list[str], list[str]]:
-    """`Fleet.sync()`, which documents it."""
-    wanted = {e.instance_id: e for e in map(endpoint_of, workers)}
-    if not wanted:
-        raise InvalidArgumentError("a fleet needs at least one worker: an empty discovery "
-                                   "is not followed", reason=Reason.INVALID_ARGUMENT)
-    have = {e.instance_id: e for e in fleet.endpoints}
-    removed = [i for i, e in have.items() if wanted.get(i) != e]
-    added = [i for i, e in wanted.items() if have.get(i) != e]
-    for instance_id in removed:
-        index = index_of(fleet, instance_id)
-        fleet._removed.add(index)
-        fleet._members = [i for i in fleet._members if i != index]
-        fleet._left_behind.pop(instance_id, None)
-    for instance_id in added:
-        add(fleet, wanted[instance_id])
-    return added, removed
-
-
-def members(fleet: Fleet) -> tuple[WorkerEndpoint, ...]:
-    """`Fleet.members`, which documents it."""
-    return tuple(fleet._endpoints[i] for i in fleet._members)
-
-
-def left_behind(fleet: Fleet) -> dict[str, WorkerFailure]:
-    """`Fleet.left_behind`, which documents it."""
-    return dict(fleet._left_behind)
-
-
-def readmit(fleet: Fleet, instance_id: str) -> None:
-    """`Fleet.readmit()`, which documents it."""
-    if instance_id not in fleet._left_behind:
-        raise InvalidArgumentError(f"{instance_id!r} is not left behind",
-                                   reason=Reason.INVALID_ARGUMENT)
-    del fleet._left_behind[instance_id]
-    fleet._members = [i for i in fleet._current()
-                      if fleet._endpoints[i].instance_id not in fleet._left_behind]
-
-
-def catch_up(fleet: Fleet, instance_id: str, *, timeout_s: float | None = None,
-             pause_mode: PauseMode = PauseMode.KEEP) -> CatchUpReport:
-    """`Fleet.catch_up()`, which documents it."""
-    report = catch_up_async(fleet, instance_id, timeout_s=timeout_s,
-                            pause_mode=pause_mode).result()
-    settle_catch_ups(fleet)
-    return report
-
-
-def catch_up_async(fleet: Fleet, instance_id: str, *, timeout_s: float | None = None,
-                   pause_mode: PauseMode = PauseMode.KEEP) -> Future[CatchUpReport]:
-    """`Fleet.catch_up_async()`, which documents it."""
-    plan = fleet._plan_for("catch_up()", (FleetState.PREPARED, FleetState.CONNECTED))
-    index = index_of(fleet, instance_id)
-    if fleet._committed is None:
-        raise CatchUpError(f"no member holds the fleet's version {fleet._version} in a "
-                           "committed copy (the last epoch was in place, or none flipped "
-                           "yet); the next epoch brings the worker to it", [],
-                           reason=Reason.NO_CATCH_UP_PEER)
-    version, digest = fleet._committed
-    target = fleet._workers[index]
-    fleet._prepare_on(plan, [target])
-    quick = pb.DescribeRequest(skip_weights_digest=True)
-    (about,) = fleet.calls.all("Describe", [target], lambda w: quick,
-                               "Describe of the worker catching up failed")
-    candidates = [i for i in fleet._members if i != index]
-    answers = fleet.calls.each("Describe", fleet._member_links(candidates), lambda w: quick)
-    peers = [fleet._workers[i] for i, a in zip(candidates, answers)
-             if isinstance(a, pb.DescribeResponse)
-             and (a.committed_copy_version, a.committed_copy_digest) == (version, digest)
-             and a.state in (pb.SHIM_STATE_READY, pb.SHIM_STATE_PREPARED)
-             and not a.serving_catch_up_to]
-    if not peers:
-        raise CatchUpError(f"no member holds version {version} ({digest[:16]}) in its "
-                           "committed copy, or every one that does is busy; the next epoch "
-                           "brings the worker to it", [],
-                           reason=Reason.NO_CATCH_UP_PEER)
-    future = fleet._catch_up_pool.submit(
-        catch_up_from_peers, target, peers, version=version, staged_digest=digest,
-        plan=plan, target_world_size=max(about.engine_world_size, 1),
-        target_instance=about.instance_id,
-        timeout_s=timeout_s or fleet.config.epoch_timeout_s, pause_mode=pause_mode)
-    fleet._catch_ups.append(future)
-    return future
-
-
-def index_of(fleet: Fleet, instance_id: str) -> int:
-    for i in fleet._current():
-        if fleet._endpoints[i].instance_id == instance_id:
-            return i
-    raise InvalidArgumentError(f"no worker {instance_id!r} in the fleet",
-                               reason=Reason.INVALID_ARGUMENT)
-
-
-def settle_catch_ups(fleet: Fleet) -> None:
-    """Wait for the catch-ups under way; each that succeeded changes the membership: its
-    worker left its data group (the next epoch forms the group with it) and, if it was
-    left behind, is readmitted. A failed one is the caller's news (its future's error)."""
-    pending, fleet._catch_ups = fleet._catch_ups, []
-    for future in pending:
-        try:
-            report = future.result()
-        except CatchUpError as e:
-            log.warning("a catch-up failed, the next epoch brings its worker up: %s", e)
-            continue
-        index = index_of(fleet, report.instance_id)
-        fleet._left_behind.pop(report.instance_id, None)
-        if index not in fleet._members:
-            fleet._members = [i for i in fleet._current()
-                              if fleet._endpoints[i].instance_id not in fleet._left_behind]
-        if fleet._group_members is not None and index in fleet._group_members:
-            keep = [k for k, i in enumerate(fleet._group_members) if i != index]
-            fleet._group_members = tuple(fleet._group_members[k] for k in keep)
-            if fleet._joined_instances is not None:
-                fleet._joined_instances = tuple(fleet._joined_instances[k] for k in keep)
-
-
-def leave_behind(fleet: Fleet, behind: Mapping[int, WorkerFailure]) -> None:
-    """Engines a staged epoch went on without leave the fleet's groups until `readmit()`;
-    the next `refit()` forms the group again without them."""
-    for i, f in behind.items():
-        fleet._left_behind[fleet._endpoints[i].instance_id] = f
-    fleet._members = [i for i in fleet._members if i not in behind]
+__all__ = ["Member", "Membership", "ValidateWorkers", "endpoint_of", "links"]

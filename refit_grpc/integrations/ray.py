@@ -48,6 +48,7 @@ import logging
 import pickle
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -57,7 +58,13 @@ import ray
 from refit_grpc.common import Deadline, EpochMode, PauseMode
 from refit_grpc.driver import ChannelSecurity, EpochFailedError, EpochHandle, Fleet, WorkerEndpoint
 from refit_grpc.driver.epoch import StreamPhase
-from refit_grpc.errors import FailedPreconditionError, RefitError, RefitTimeoutError
+from refit_grpc.driver.options import InPlace, Staged
+from refit_grpc.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    RefitError,
+    RefitTimeoutError,
+)
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
@@ -108,6 +115,30 @@ class _Outcomes:
             return
         self._outcomes[key] = (ok, value)
         self._event(key).set()
+
+
+def _epoch_of(epoch: InPlace | Staged | None, mode: EpochMode | str | None,
+              min_engines: int | None) -> InPlace | Staged:
+    """The channel's epoch: `epoch`, or (deprecated) what `mode` and `min_engines` say."""
+    if mode is None and min_engines is None:
+        return epoch if epoch is not None else InPlace()
+    if epoch is not None:
+        raise InvalidArgumentError("pass epoch= or the deprecated mode=/min_engines=, not both",
+                                   reason=Reason.INVALID_ARGUMENT)
+    warnings.warn("RefitChannel(mode=..., min_engines=...) is deprecated: pass "
+                  "epoch=InPlace() or epoch=Staged(min_engines=...)", DeprecationWarning,
+                  stacklevel=3)
+    try:
+        staged = EpochMode(mode or EpochMode.IN_PLACE) is EpochMode.STAGED
+    except ValueError:
+        raise InvalidArgumentError(f"mode must be one of {[m.value for m in EpochMode]}, got "
+                                   f"{mode!r}", reason=Reason.INVALID_EPOCH_MODE) from None
+    if staged:
+        return Staged(min_engines=min_engines)
+    if min_engines is not None:
+        raise InvalidArgumentError("min_engines is for staged epochs",
+                                   reason=Reason.INVALID_MIN_ENGINES)
+    return InPlace()
 
 
 def group_name(ip: str, port: int, world_size: int, *, train_world_size: int,
@@ -173,10 +204,11 @@ class RefitChannel:
         backend: "gloo" or "nccl".
         pause_mode: how engines pause their requests during an epoch (staged: the flip).
         security: TLS and token (`ChannelSecurity`); plaintext by default.
-        mode: "in_place" (NeMo RL's) or "staged": the engines serve on while the bytes land;
-            `update_weights()`'s refs resolve at STAGED and `flush_cache()` flips them (docs/ray.md).
-        min_engines: staged: how many engines must stage for `flush_cache()` to flip; by
-            default every one.
+        epoch: `InPlace()` (NeMo RL's; its `flush` is `flush_cache()`'s) or
+            `Staged(min_engines=...)`: the engines serve on while the bytes land;
+            `update_weights()`'s refs resolve at STAGED and `flush_cache()` flips them once
+            `min_engines` (by default every one) staged (docs/ray.md).
+        mode, min_engines: deprecated (a DeprecationWarning): `epoch=Staged(min_engines=...)`.
 
     Raises:
         InvalidArgumentError: no worker, duplicate instance ids, or a bad setting.
@@ -193,7 +225,8 @@ class RefitChannel:
                  backend: str = "gloo",
                  pause_mode: PauseMode = PauseMode.KEEP,
                  security: ChannelSecurity | None = None,
-                 mode: EpochMode | str = EpochMode.IN_PLACE,
+                 epoch: InPlace | Staged | None = None,
+                 mode: EpochMode | str | None = None,
                  min_engines: int | None = None):
         self._fleet = Fleet(workers, engine_world_size=engine_world_size,
                             control_timeout_s=control_timeout_s, join_timeout_s=join_timeout_s,
@@ -204,13 +237,12 @@ class RefitChannel:
         self.control_timeout_s = control_timeout_s
         self.validate_workers = validate_workers
         self.pause_mode = pause_mode
-        self.mode = EpochMode(mode)
-        self.min_engines = min_engines
+        self.epoch = _epoch_of(epoch, mode, min_engines)
         self._options: dict[str, Any] = {
             "engine_world_size": engine_world_size, "control_timeout_s": control_timeout_s,
             "join_timeout_s": join_timeout_s, "epoch_timeout_s": epoch_timeout_s,
             "packing": packing, "backend": backend, "pause_mode": pause_mode,
-            "security": security, "mode": self.mode, "min_engines": min_engines}
+            "security": security, "epoch": self.epoch}
         self._session = uuid.uuid4().hex[:12]
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -353,7 +385,7 @@ class RefitChannel:
         """
         if version is None:
             version = self._next_version()
-        handle = self._fleet.update_weights(version, self.pause_mode, mode=self.mode)
+        handle = self._fleet.update_weights(version, self.pause_mode, epoch=self.epoch)
         self._version = max(self._version or 0, version)
         self._epoch, self._flipped = handle, False
         handle.wait_accepted(self.control_timeout_s)
@@ -373,7 +405,7 @@ class RefitChannel:
     def flush_cache(self, staged_digest: str | None = None) -> bool:
         """Drain, clear caches and resume every worker, in parallel (mode WAIT).
 
-        Staged (`mode="staged"`): flips the open staged epoch instead, every engine that staged
+        Staged (`epoch=Staged(...)`): flips the open staged epoch instead, every engine that staged
         (the digest most staged) when at least `min_engines` did (`Fleet.flip`); the engines
         that did not are left behind (`fleet.left_behind`).
 
@@ -391,12 +423,21 @@ class RefitChannel:
         """
         if self._epoch is not None and self._epoch.staged and not self._flipped:
             self._flipped = True
-            self._fleet.flip(self._epoch, staged_digest, min_engines=self.min_engines,
-                             pause_mode=self.pause_mode)
+            self._fleet.flip(self._epoch, staged_digest)
             return True
         return self._fleet.flush_cache()
 
     # --- refit_grpc's additions --------------------------------------------------------------
+
+    @property
+    def mode(self) -> EpochMode:
+        """The epochs' mode (`epoch.mode`)."""
+        return self.epoch.mode
+
+    @property
+    def min_engines(self) -> int | None:
+        """Staged: how many engines must stage for `flush_cache()` to flip (None: every one)."""
+        return self.epoch.min_engines if isinstance(self.epoch, Staged) else None
 
     @property
     def fleet(self) -> Fleet:

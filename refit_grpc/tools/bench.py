@@ -36,6 +36,7 @@ import torch
 
 from refit_grpc.collective import Group, Sender, bind_master_store, receive
 from refit_grpc.common import Deadline, GroupSpec
+from refit_grpc.driver.options import InPlace, Staged
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
 from refit_grpc.testing.harness import Run
 from refit_grpc.tools.bench_memory import PROCESS_BASE_BYTES, Need, Peaks, gb
@@ -386,12 +387,12 @@ def _shim_set(plan: RefitPlan, weights: dict[str, torch.Tensor], workers: int,
         # whole epoch and the flush (a client-side bound: what refit() takes with flush).
         def in_place(v: int) -> float:
             t0 = time.monotonic()
-            fleet.refit(link, weights, version=v, flush=True)
+            fleet.refit(link, weights, version=v, epoch=InPlace(flush=True))
             return time.monotonic() - t0
 
         # Staged, the engines stop only for their flips (the report's stall: the longest).
         def staged(v: int) -> float:
-            report = fleet.refit(link, weights, version=v, mode="staged")
+            report = fleet.refit(link, weights, version=v, epoch=Staged())
             return report.stall_seconds or 0.0
 
         runners: dict[str, Callable[[int], float | None]] = {"refit_grpc": in_place,

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from refit_grpc.driver.options import Staged
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.testing.harness import Run
 from refit_grpc.tools.bench import materialize
@@ -72,12 +73,12 @@ def run_bench_catch_up(peers: int = 2, total_mb: float = 1024, reps: int = 3,
         g = torch.Generator().manual_seed(0)
         current = materialize(specs)
         version = 1
-        fleet.refit(link, current, version=version, mode="staged")  # warm-up
+        fleet.refit(link, current, version=version, epoch=Staged())  # warm-up
         for _ in range(reps):
             current = perturbed(current, 0.01, g)
             version += 1
             t0 = time.monotonic()
-            fleet.refit(link, current, version=version, mode="staged")
+            fleet.refit(link, current, version=version, epoch=Staged())
             times["epoch_s"].append(time.monotonic() - t0)
 
             fleet.add(newcomer)
@@ -88,20 +89,20 @@ def run_bench_catch_up(peers: int = 2, total_mb: float = 1024, reps: int = 3,
             fleet.remove(newcomer.instance_id)  # behind again for the next rep
 
             t0 = time.monotonic()
-            solo.refit(solo_link, current, version=version, mode="staged")
+            solo.refit(solo_link, current, version=version, epoch=Staged())
             times["trainer_s"].append(time.monotonic() - t0)
 
         # An epoch asked for while a catch-up runs: the newcomer is caught up, then the group
         # formed again with it (one more member), then the epoch.
         current = perturbed(current, 0.01, g)
         version += 1
-        fleet.refit(link, current, version=version, mode="staged")
+        fleet.refit(link, current, version=version, epoch=Staged())
         fleet.add(newcomer)
         fleet.catch_up_async(newcomer.instance_id)
         current = perturbed(current, 0.01, g)
         version += 1
         t0 = time.monotonic()
-        fleet.refit(link, current, version=version, mode="staged")
+        fleet.refit(link, current, version=version, epoch=Staged())
         times["epoch_beside_s"].append(time.monotonic() - t0)
     finally:
         for ln in links:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from refit_grpc.driver.options import Staged
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
 from refit_grpc.testing.harness import Run
 from refit_grpc.tools.bench import materialize, realistic_specs
@@ -190,8 +191,8 @@ def run_bench_delta(workers: int = 1, total_mb: float = 1024, reps: int = 3,
         def epoch(arm: str, tensors) -> tuple[float, float, int]:
             fleet, link = fleets[arm]
             cpu0, t0 = _cpu_s(), time.monotonic()
-            report = fleet.refit(link, tensors, version=version, mode="staged",
-                                 delta=arm == "delta")
+            report = fleet.refit(link, tensors, version=version,
+                                 epoch=Staged(delta=arm == "delta"))
             return time.monotonic() - t0, _cpu_s() - cpu0, report.wire_bytes
 
         version += 1

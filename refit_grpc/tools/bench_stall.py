@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from refit_grpc.driver.options import InPlace, Staged
 from refit_grpc.testing.harness import Run, run_reported
 
 IN_PLACE, STAGED = "in_place", "staged"
@@ -438,7 +439,8 @@ def _measure(run: Run, result: dict[str, Any], pairs: int, streams: int, max_tok
         for i, (mode, warmup) in enumerate(schedule):
             version = i + 1
             start = time.monotonic()
-            report = fleet.refit(link, weights[i], version=version, mode=mode)
+            report = fleet.refit(link, weights[i], version=version,
+                                 epoch=InPlace() if mode == IN_PLACE else Staged())
             end = time.monotonic()
             if mode == IN_PLACE:
                 epochs.append(Epoch(mode, version, start, end, end - start, warmup=warmup))

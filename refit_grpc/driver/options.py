@@ -1,0 +1,144 @@
+"""What an epoch is, as one value: `InPlace(flush=...)` or `Staged(min_engines=..., delta=...)`
+(`Fleet.refit(epoch=...)`, `Fleet.update_weights(epoch=...)`). An option that does not apply
+to a mode cannot be passed to it; what both modes check is `Checks` (`driver.checks`)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from refit_grpc.common import EpochMode, PauseMode
+from refit_grpc.driver.checks import Checks
+from refit_grpc.errors import InvalidArgumentError
+from refit_grpc.reasons import Reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class InPlace:
+    """An in-place epoch: every engine pauses, receives into its live weights, commits.
+
+    Args:
+        flush: after every engine committed, flush them all (drain, clear the caches,
+            resume) so they serve the new weights; False leaves that to `flush_cache()`.
+    """
+
+    mode: ClassVar[EpochMode] = EpochMode.IN_PLACE
+    flush: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Staged:
+    """A staged epoch: the engines keep serving while the bytes land in their staging copies,
+    and flip (pause, load, resume) once enough staged the trainer's digest.
+
+    Args:
+        min_engines: how many engines must stage the new version for the fleet to flip; by
+            default every member (checked against the members when the epoch runs).
+        delta: send each bucket as what changed since the last staged epoch when every
+            member's committed copy is that epoch's; otherwise a full epoch
+            (`refit_grpc.delta`).
+
+    Raises:
+        InvalidArgumentError: `min_engines` below 1 (INVALID_MIN_ENGINES).
+    """
+
+    mode: ClassVar[EpochMode] = EpochMode.STAGED
+    min_engines: int | None = None
+    delta: bool = False
+
+    def __post_init__(self) -> None:
+        if self.min_engines is not None and self.min_engines < 1:
+            raise InvalidArgumentError(f"min_engines must be >= 1, got {self.min_engines}",
+                                       reason=Reason.INVALID_MIN_ENGINES)
+
+    def required(self, members: int) -> int:
+        """How many of `members` engines must stage (and flip).
+
+        Raises:
+            InvalidArgumentError: `min_engines` above `members` (INVALID_MIN_ENGINES).
+        """
+        required = members if self.min_engines is None else self.min_engines
+        if not 1 <= required <= members:
+            raise InvalidArgumentError(f"min_engines must be in [1, {members}] (the fleet's "
+                                       f"members), got {self.min_engines}",
+                                       reason=Reason.INVALID_MIN_ENGINES)
+        return required
+
+
+# What an epoch is: one of the two.
+Epoch = InPlace | Staged
+
+# The keywords `refit()`, `update_weights()` and `flip()` took before `epoch=` and `checks=`
+# (deprecated: they work for one release, with a DeprecationWarning).
+LEGACY_KEYWORDS = {"refit": ("flush", "verify_weights", "canary", "mode", "min_engines", "delta"),
+                   "update_weights": ("verify_weights", "canary", "mode")}
+
+
+def options(what: str, epoch: Epoch | None, checks: Checks | None,
+            legacy: Mapping[str, Any]) -> tuple[Epoch, Checks]:
+    """The epoch and checks `refit()` or `update_weights()` was given: `epoch=` and `checks=`,
+    or (deprecated) the keywords of `LEGACY_KEYWORDS[what]`, never both.
+
+    Raises:
+        TypeError: a keyword the call never took.
+        InvalidArgumentError: both shapes at once, an `epoch` that is neither `InPlace` nor
+            `Staged` (INVALID_EPOCH_MODE), or old keywords of the other mode.
+    """
+    unknown = sorted(set(legacy) - set(LEGACY_KEYWORDS[what]))
+    if unknown:
+        raise TypeError(f"{what}() got unexpected keyword arguments {unknown}")
+    if legacy:
+        if epoch is not None or checks is not None:
+            raise InvalidArgumentError(f"{what}(): pass epoch=/checks= or the deprecated "
+                                       f"keywords {sorted(legacy)}, not both",
+                                       reason=Reason.INVALID_ARGUMENT)
+        warnings.warn(f"{what}({', '.join(f'{k}=' for k in sorted(legacy))}) is deprecated: "
+                      "pass epoch=InPlace(flush=...) or Staged(min_engines=..., delta=...) and "
+                      "checks=Checks(verify=..., canary=...)", DeprecationWarning, stacklevel=3)
+        checks = Checks(verify=legacy.get("verify_weights", False), canary=legacy.get("canary"))
+        epoch = _from_keywords(legacy)
+    if epoch is not None and not isinstance(epoch, InPlace | Staged):
+        raise InvalidArgumentError(f"epoch must be InPlace(...) or Staged(...), got {epoch!r}",
+                                   reason=Reason.INVALID_EPOCH_MODE)
+    return epoch or InPlace(), checks or Checks()
+
+
+def _from_keywords(legacy: Mapping[str, Any]) -> Epoch:
+    """The epoch the deprecated keywords describe (options of the other mode refused)."""
+    try:
+        mode = EpochMode(legacy.get("mode", EpochMode.IN_PLACE))
+    except ValueError:
+        raise InvalidArgumentError(f"mode must be one of {[m.value for m in EpochMode]}, "
+                                   f"got {legacy['mode']!r}",
+                                   reason=Reason.INVALID_EPOCH_MODE) from None
+    if mode is EpochMode.STAGED:
+        return Staged(min_engines=legacy.get("min_engines"), delta=legacy.get("delta", False))
+    if legacy.get("delta"):
+        raise InvalidArgumentError("delta=True is for staged epochs (mode=\"staged\")",
+                                   reason=Reason.INVALID_DELTA)
+    if legacy.get("min_engines") is not None:
+        raise InvalidArgumentError("min_engines is for staged epochs: an in-place epoch "
+                                   "cannot leave an engine behind unharmed",
+                                   reason=Reason.INVALID_MIN_ENGINES)
+    return InPlace(flush=legacy.get("flush", True))
+
+
+def reopened(handle: Any, legacy: Mapping[str, Any]) -> None:
+    """`flip()`'s deprecated keywords (`min_engines`, `pause_mode`, `verify_weights`,
+    `canary`) replace what the staged epoch `handle` was opened with, as before the handle
+    carried them (then a flip checked only what it was told to)."""
+    unknown = sorted(set(legacy) - {"min_engines", "pause_mode", "verify_weights", "canary"})
+    if unknown:
+        raise TypeError(f"flip() got unexpected keyword arguments {unknown}")
+    warnings.warn(f"flip({', '.join(f'{k}=' for k in sorted(legacy))}) is deprecated: the "
+                  "epoch carries them (update_weights(epoch=Staged(min_engines=...), "
+                  "checks=Checks(...)))", DeprecationWarning, stacklevel=3)
+    handle.epoch = Staged(min_engines=legacy.get("min_engines"), delta=handle.epoch.delta)
+    handle.pause_mode = legacy.get("pause_mode", PauseMode.KEEP)
+    handle.checks = Checks(verify=legacy.get("verify_weights", False),
+                           canary=legacy.get("canary"))
+
+
+__all__ = ["LEGACY_KEYWORDS", "Epoch", "InPlace", "Staged", "options", "reopened"]
