@@ -54,6 +54,23 @@ def ready_shim():
     ready.close()
 
 
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory):
+    """The session's shared vLLM servers (`vllm_support.servers.SharedServers`): a module asks
+    `vllm_servers.server(model_dir, ...)` and gets the one server of that configuration, reset to
+    its checkpoint; at the session's end every one is stopped and none of their processes may
+    survive. Skips, with the reason, where vLLM is not installed."""
+    from vllm_support import require_vllm
+    from vllm_support.servers import SharedServers
+
+    require_vllm()
+    shared = SharedServers(tmp_path_factory.mktemp("vllm-shared"))
+    yield shared
+    survivors = shared.stop_all()
+    print(f"\nshared vLLM servers: {shared.starts} started, {shared.resets} reset for a module")
+    assert not survivors, f"shared vLLM processes outlived the session: {survivors}"
+
+
 @pytest.fixture
 def shim_procs():
     """Start shim processes; on teardown every one must have exited."""
