@@ -9,7 +9,7 @@ import pytest
 
 from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.engines.reference import ReferenceEngine
-from refit_grpc.shim.process import ShimProcess, spawn_shim
+from refit_grpc.shim.process import ShimProcess
 from refit_grpc.shim.service import ShimConfig
 
 from support import InProcessShim, ReadyShim, start_ready_shim, unused_port
@@ -54,13 +54,44 @@ def ready_shim():
     ready.close()
 
 
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory):
+    """The session's shared vLLM servers (`vllm_support.servers.SharedServers`): a module asks
+    `vllm_servers.server(model_dir, ...)` and gets the one server of that configuration, reset to
+    its checkpoint; at the session's end every one is stopped and none of their processes may
+    survive. Skips, with the reason, where vLLM is not installed."""
+    from vllm_support import require_vllm
+    from vllm_support.servers import SharedServers
+
+    require_vllm()
+    shared = SharedServers(tmp_path_factory.mktemp("vllm-shared"))
+    yield shared
+    survivors = shared.stop_all()
+    print(f"\nshared vLLM servers: {shared.starts} started, {shared.resets} reset for a module")
+    assert not survivors, f"shared vLLM processes outlived the session: {survivors}"
+
+
+@pytest.fixture(scope="session")
+def shim_forks():
+    """The session's fork server for shim processes (`refit_grpc.testing.forked_shims`): it has
+    imported torch and the shim once, so a shim starts in milliseconds, not the 2-3 s (10-20 s on
+    a loaded host) a fresh interpreter spends importing torch."""
+    from refit_grpc.testing.forked_shims import ShimForkServer
+
+    with ShimForkServer() as server:
+        yield server
+
+
 @pytest.fixture
-def shim_procs():
-    """Start shim processes; on teardown every one must have exited."""
+def shim_procs(shim_forks):
+    """Start shim processes: each a real process of its own running `refit-grpc shim`'s entry
+    point with these arguments (its own gRPC server, gloo sockets, signals), forked from the
+    session's fork server; on teardown every one must have exited. Starting `refit-grpc shim`
+    from a fresh interpreter (`spawn_shim`) is test_spawn.py's, the demo's and the CLI tests'."""
     procs: list[ShimProcess] = []
 
     def start(*args: str) -> ShimProcess:
-        p = spawn_shim(*args)
+        p = shim_forks.start(*args).as_shim_process()
         procs.append(p)
         return p
 

@@ -1,5 +1,6 @@
-"""Helpers shared by the test modules: plans from tensors, Describe over a fresh channel, a shim in
-this process, the trainer's end of a group, and a fleet brought to the middle of an epoch.
+"""Helpers shared by the test modules: builders (weights, endpoints, a connected fleet), plans from
+tensors, Describe over a fresh channel, a shim in this process, the trainer's end of a group, and a
+fleet brought to the middle of an epoch.
 
 Fixtures built on these live in conftest.py; test modules import helpers from here, never from
 one another.
@@ -8,17 +9,17 @@ one another.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 import torch
 
-from refit_grpc import Fleet, PauseMode
+from refit_grpc import Fleet, PauseMode, WorkerEndpoint
 from refit_grpc.collective import Group, Sender, bind_master_store
 from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.driver.epoch import EpochHandle
 from refit_grpc.driver.links import TrainerLink
-from refit_grpc.plan import Packing, RefitPlan
+from refit_grpc.plan import Packing, RefitPlan, weights_digest
 from refit_grpc.proto import DTYPE_TO_PROTO, pb, pb_grpc
 from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.engines.reference import ReferenceEngine
@@ -26,9 +27,54 @@ from refit_grpc.shim.server import ServerOptions, ShimServer
 from refit_grpc.shim.service import ShimConfig
 from refit_grpc.testing.ports import unused_port
 
-__all__ = ["Epoch", "InProcessShim", "ReadyShim", "describe", "describe_or_none", "fleet_mid_epoch",
-           "full_epoch", "info", "join", "join_trainer", "prepare_request", "start_ready_shim",
-           "tensors_v", "unused_port"]
+__all__ = ["Epoch", "InProcessShim", "ReadyShim", "connected", "describe", "describe_or_none",
+           "digest_of", "endpoint", "endpoints", "fleet_mid_epoch", "full_epoch", "info", "join",
+           "join_trainer", "prepare_request", "start_ready_shim", "tensors_v", "unused_port",
+           "weights", "weights_in_mib"]
+
+
+# --- builders: weights, endpoints, a connected fleet --------------------------------------------
+
+
+def weights(version: int, layers: int = 4, numel: int = 64 * 1024, *,
+            shape: tuple[int, ...] | None = None, name: str = "layer.{i}"
+            ) -> dict[str, torch.Tensor]:
+    """`layers` float32 tensors named `name.format(i=i)`, each `numel` long (or of `shape`), whose
+    values follow `version`: the same version gives the same bytes, in any module."""
+    g = torch.Generator().manual_seed(version)
+    size = shape if shape is not None else (numel,)
+    return {name.format(i=i): torch.randn(*size, generator=g) for i in range(layers)}
+
+
+def weights_in_mib(default_mib: int) -> Callable[..., dict[str, torch.Tensor]]:
+    """A `weights(version, mib=default_mib)` builder: `mib` float32 tensors of 1 MiB each."""
+    def build(version: int, mib: int = default_mib) -> dict[str, torch.Tensor]:
+        return weights(version, mib, 256 * 1024)
+    return build
+
+
+def digest_of(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The weights digest of a state dict, in its order (what Describe reports once committed)."""
+    return weights_digest(tensors.items())
+
+
+def endpoint(name: str, shim) -> WorkerEndpoint:
+    """`shim` (anything with an address) under the instance id `name`."""
+    return WorkerEndpoint(name, shim.address)
+
+
+def endpoints(shims, prefix: str | None = None) -> list[WorkerEndpoint]:
+    """Endpoints of `shims`: under their own instance ids, or `f"{prefix}{i}"` when given."""
+    return [WorkerEndpoint(s.instance_id if prefix is None else f"{prefix}{i}", s.address)
+            for i, s in enumerate(shims)]
+
+
+def connected(fleet: Fleet, tensors: Mapping[str, torch.Tensor], ip: str = "127.0.0.1",
+              **connect) -> TrainerLink:
+    """Prepare the plan of `tensors` on every shim, then form the group with this process as the
+    trainer (rank 0, its store on `ip`; `connect` goes to `Fleet.connect`); returns the link."""
+    fleet.prepare(info(tensors))
+    return fleet.connect(ip, **connect)
 
 
 # --- plans and Describe -----------------------------------------------------------------------
@@ -126,14 +172,19 @@ def join(sh: InProcessShim, digest: str, group_id: str = "g1") -> Group:
 
 
 class Epoch:
-    """An UpdateWeights stream read on a thread."""
+    """An UpdateWeights stream read on a thread (an in-place epoch paused `mode`; subclasses send
+    other requests through `_open`)."""
 
     def __init__(self, sh: InProcessShim, version: int, digest: str, group_id: str = "g1",
                  mode=pb.PAUSE_MODE_KEEP):
-        self.messages, self.error = [], None
+        self._open(sh.stub, pb.UpdateWeightsRequest(
+            version=version, plan_digest=digest, group_id=group_id, pause_mode=mode))
+
+    def _open(self, stub, request: pb.UpdateWeightsRequest) -> None:
+        self.messages: list[pb.UpdateWeightsResponse] = []
+        self.error: grpc.RpcError | None = None
         self.accepted = threading.Event()
-        self.call = sh.stub.UpdateWeights(pb.UpdateWeightsRequest(
-            version=version, plan_digest=digest, group_id=group_id, pause_mode=mode), timeout=20)
+        self.call = stub.UpdateWeights(request, timeout=20)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
@@ -193,8 +244,7 @@ def fleet_mid_epoch(fleet: Fleet, tensors: Mapping[str, torch.Tensor], version: 
     """Prepare the plan of `tensors`, connect as trainer rank 0 (refitting `committed` as version
     `version - 1` first when given), then open epoch `version` and return once every shim said
     ACCEPTED: each is paused and about to receive, and no byte of the epoch has moved."""
-    fleet.prepare(info(tensors))
-    link = fleet.connect("127.0.0.1")
+    link = connected(fleet, tensors)
     if committed is not None:
         fleet.refit(link, committed, version=version - 1)
     handle = fleet.update_weights(version, mode)

@@ -16,7 +16,7 @@ from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.testing.pki import make_pki
 
-from support import info
+from support import connected
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -91,8 +91,7 @@ def test_a_whole_epoch_over_mtls_and_token(secure_shim, pki):
     weights = {"w": torch.randn(1000), "b": torch.randn(10).to(torch.bfloat16)}
     with Fleet([WorkerEndpoint(secure_shim.instance_id, secure_shim.address)],
                packing=Packing(1024, 2), security=_security(pki)) as fleet:
-        fleet.prepare(info(weights))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights)
         assert fleet.refit(link, weights, version=1).version == 1
         link.close()
 

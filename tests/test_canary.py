@@ -24,7 +24,6 @@ from refit_grpc import (
     CanaryMismatchError,
     EpochRefusedError,
     Fleet,
-    WorkerEndpoint,
 )
 from refit_grpc.canary import FP32_TOLERANCE, teacher_forced_logprobs
 from refit_grpc.errors import InvalidArgumentError
@@ -32,7 +31,7 @@ from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.reasons import Reason
 
-from support import info
+from support import connected, endpoints
 
 SEQUENCE = [3, 17, 42, 5, 99, 1, 64, 7, 23, 8, 111, 2]
 
@@ -62,7 +61,7 @@ def shims(shim_procs):
 
 @pytest.fixture
 def lm_fleet(shims):
-    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+    with Fleet(endpoints(shims),
                epoch_timeout_s=60) as fleet:
         yield fleet
 
@@ -70,8 +69,7 @@ def lm_fleet(shims):
 def test_matching_canary_passes_moves_with_versions_and_is_reported(lm_fleet):
     torch.manual_seed(5)
     model, gen = TinyLM(TinyLMConfig()).eval(), torch.Generator().manual_seed(5)
-    lm_fleet.prepare(info(sent(model)))
-    link = lm_fleet.connect("127.0.0.1", 0)
+    link = connected(lm_fleet, sent(model))
     before = None
     for version in (1, 2, 3):
         step(model, gen)
@@ -98,8 +96,7 @@ def test_engines_that_compute_otherwise_are_named_left_paused_not_flushed(lm_fle
     outputs differ). Every engine is named; none resumes."""
     torch.manual_seed(6)
     model = TinyLM(TinyLMConfig()).eval()
-    lm_fleet.prepare(info(sent(model)))
-    link = lm_fleet.connect("127.0.0.1", 0)
+    link = connected(lm_fleet, sent(model))
     lm_fleet.refit(link, sent(model), version=1, canary=trainer_canary(model))
     wrong = sent(model)
     noise = torch.randn(wrong["blocks.0.mlp.0.weight"].shape,
@@ -144,10 +141,9 @@ def test_an_engine_without_a_canary_refuses_the_epoch_before_any_byte(shim_procs
     store = shim_procs("--model", "none", "--instance-id", "store")
     torch.manual_seed(7)
     model = TinyLM(TinyLMConfig()).eval()
-    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in (lm, store)],
+    with Fleet(endpoints((lm, store)),
                epoch_timeout_s=30) as fleet:
-        fleet.prepare(info(sent(model)))
-        link = fleet.connect("127.0.0.1", 0)
+        link = connected(fleet, sent(model))
         with pytest.raises(EpochRefusedError) as refused:
             fleet.refit(link, sent(model), version=1, canary=trainer_canary(model))
         (failure,) = [f for f in refused.value.failures if f.reason == Reason.CANARY_UNSUPPORTED]

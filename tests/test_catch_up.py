@@ -11,37 +11,31 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from refit_grpc import CatchUpError, Fleet, Packing, WorkerEndpoint
 from refit_grpc.driver.failures import WorkerFailure, failure_from_rpc
 from refit_grpc.driver.plans import prepare_on
-from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
 
-from support import InProcessShim, describe_or_none, info
+from support import (
+    InProcessShim,
+    connected,
+    describe_or_none,
+    digest_of,
+    endpoint,
+    endpoints,
+    weights_in_mib,
+)
 
-
-def weights(version: int, mib: int = 2) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(version)
-    return {f"layer.{i}": torch.randn(256 * 1024, generator=g) for i in range(mib)}
-
-
-def digest_of(tensors) -> str:
-    return weights_digest(tensors.items())
-
-
-def endpoint(name: str, shim) -> WorkerEndpoint:
-    return WorkerEndpoint(name, shim.address)
+weights = weights_in_mib(2)
 
 
 def test_a_new_worker_catches_up_from_a_peer_and_joins_the_next_epoch(store_shims):
     a, b, c = store_shims(), store_shims(), store_shims()
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 18, 2),
                epoch_timeout_s=20) as fleet:
-        fleet.prepare(info(weights(1)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1))
         fleet.refit(link, weights(1), mode="staged", delta=True)
         fleet.refit(link, weights(2), mode="staged", delta=True)
         group_before = fleet.group_id
@@ -78,8 +72,7 @@ def test_no_peer_after_an_in_place_epoch_and_a_target_refusing_is_not_retried(st
     a, b = store_shims(), store_shims()
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 18, 2),
                epoch_timeout_s=20) as fleet:
-        fleet.prepare(info(weights(1)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1))
         fleet.refit(link, weights(1))  # in place: nobody keeps a committed copy
         with pytest.raises(CatchUpError) as e:
             fleet.catch_up("b")
@@ -117,8 +110,7 @@ def refused(call, request) -> tuple[grpc.StatusCode, str]:
 def test_every_bad_catch_up_request_is_refused_with_its_reason_and_changes_nothing(store_shims):
     peer, newcomer = store_shims(), store_shims()
     with Fleet([endpoint("p", peer)], packing=Packing(1 << 18, 2), epoch_timeout_s=20) as fleet:
-        fleet.prepare(info(weights(1)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1))
         fleet.refit(link, weights(1), mode="staged")
         fleet.add(endpoint("n", newcomer))
         prepare_on(fleet.calls, fleet.plan, [fleet.membership.find("n").link])
@@ -173,7 +165,7 @@ MIB = 128  # large enough that a transfer is under way for a few hundred millise
 
 
 def fleet_of(procs) -> Fleet:
-    return Fleet([WorkerEndpoint(p.instance_id, p.address) for p in procs],
+    return Fleet(endpoints(procs),
                  packing=Packing(4 << 20, 2), epoch_timeout_s=30)
 
 
@@ -192,8 +184,7 @@ def wait_for_bytes_from(peer: str, address: str) -> None:
 def test_a_peer_killed_mid_catch_up_is_named_and_the_next_peer_serves(shim_procs):
     p0, p1, x = (shim_procs("--model", "none", "--instance-id", name) for name in ("p0", "p1", "x"))
     with fleet_of([p0, p1]) as fleet:
-        fleet.prepare(info(weights(1, MIB)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1, MIB))
         fleet.refit(link, weights(1, MIB), mode="staged")
         fleet.add(WorkerEndpoint("x", x.address))
 
@@ -222,8 +213,7 @@ def test_a_peer_killed_mid_catch_up_is_named_and_the_next_peer_serves(shim_procs
 def test_the_only_peer_killed_mid_catch_up_leaves_the_newcomer_as_it_was(shim_procs):
     p0, p1, x = (shim_procs("--model", "none", "--instance-id", name) for name in ("p0", "p1", "x"))
     with fleet_of([p0, p1, x]) as fleet:
-        fleet.prepare(info(weights(1, MIB)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1, MIB))
         fleet.refit(link, weights(1, MIB), mode="staged")
         x.signal(signal.SIGKILL)  # x dies and comes back empty (a new instance, no plan)
         x.proc.wait(10)

@@ -11,14 +11,14 @@ import time
 import pytest
 import torch
 
-from refit_grpc import EpochFailedError, Fleet, Packing, PauseMode, RefitError, WorkerEndpoint
+from refit_grpc import EpochFailedError, Fleet, Packing, PauseMode, RefitError
 from refit_grpc.collective import Group, Sender, bind_master_store, receive
 from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.plan import RefitPlan, weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 
-from support import fleet_mid_epoch, info
+from support import endpoints, fleet_mid_epoch, info
 
 BUCKET = 16 * 1024
 
@@ -212,7 +212,7 @@ def test_refit_right_after_an_aborted_one_is_byte_exact(shim_procs):
     """Abort mid-broadcast, after buckets were received straight into the store, then a new
     group and a full epoch: every byte is the new version's, none left from the aborted one."""
     shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(2)]
-    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+    with Fleet(endpoints(shims),
                packing=Packing(BUCKET // 8, 2), epoch_timeout_s=30) as fleet:
         link, handle = fleet_mid_epoch(fleet, aligned_tensors(2), 2,
                                        committed=aligned_tensors(1))

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from refit_grpc import Fleet, Packing, WorkerEndpoint
+from refit_grpc import Fleet, Packing
 from refit_grpc.delta import Encoding, apply, encode
 from refit_grpc.driver.endpoint import WorkerEndpoint as Endpoint
 from refit_grpc.driver.failures import failure_from_rpc
@@ -18,7 +18,7 @@ from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.service import ShimConfig
 
-from support import InProcessShim, info
+from support import InProcessShim, connected, endpoints
 
 
 def test_the_codec_round_trips_and_falls_back_to_raw():
@@ -82,7 +82,7 @@ def as_views(tensors: dict) -> dict:
 def fleet_of_two():
     shims = [InProcessShim(ReferenceEngine(model=None), ShimConfig(max_epoch_s=20))
              for _ in range(2)]
-    fleet = Fleet([WorkerEndpoint(f"s{i}", s.address) for i, s in enumerate(shims)],
+    fleet = Fleet(endpoints(shims, "s"),
                   packing=Packing(1 << 16, 2), epoch_timeout_s=20)
     yield fleet, shims
     fleet.close()
@@ -93,8 +93,7 @@ def fleet_of_two():
 def test_delta_epochs_move_what_changed_and_equal_full_epochs(fleet_of_two):
     fleet, shims = fleet_of_two
     v1 = mixed(1)
-    fleet.prepare(info(v1))
-    link = fleet.connect("127.0.0.1")
+    link = connected(fleet, v1)
     first = fleet.refit(link, v1, mode="staged", delta=True)
     assert not first.delta and first.wire_bytes == fleet.plan.total_bytes  # no base yet: full
     assert fleet.delta_base_bytes == fleet.plan.total_bytes  # the trainer's one copy
@@ -120,8 +119,7 @@ def test_delta_epochs_move_what_changed_and_equal_full_epochs(fleet_of_two):
 def test_a_delta_goes_only_onto_the_trainers_base(fleet_of_two):
     fleet, shims = fleet_of_two
     v1 = mixed(1)
-    fleet.prepare(info(v1))
-    link = fleet.connect("127.0.0.1")
+    link = connected(fleet, v1)
     fleet.refit(link, v1, mode="staged", delta=True)
     # An in-place epoch changes the live weights without the committed copies: no base left.
     v2 = mixed(2, 0.01, base=v1)

@@ -36,7 +36,6 @@ from refit_grpc.staging import StagedDigest
 from dynamo_support import require_dynamo
 from support import info, join_trainer
 from vllm_support import require_vllm, tiny_model_dir
-from vllm_support.servers import ServerPool
 
 # The first vLLM case starts the module's server (about 40 s here, minutes on a loaded host).
 pytestmark = pytest.mark.timeout(600)
@@ -128,17 +127,10 @@ def vllm_subject(server, trainer: dict) -> Subject:
 
 
 @pytest.fixture(scope="module")
-def vllm_pool(tmp_path_factory) -> Iterator[ServerPool]:
-    require_vllm()  # skips the vLLM cases only, with the stated reason
-    pool = ServerPool(tmp_path_factory.mktemp("vllm-logs"))
-    yield pool
-    survivors = pool.stop_all()
-    assert not survivors, f"vLLM processes outlived the module: {survivors}"
-
-
-@pytest.fixture(scope="module")
-def vllm_server(vllm_pool):
-    return vllm_pool.start(tiny_model_dir())
+def vllm_server(vllm_servers):
+    """The session's tiny-Llama server (skips the vLLM cases only, with the stated reason, where
+    vLLM is not installed), serving its checkpoint when this module gets it."""
+    return vllm_servers.server(tiny_model_dir())
 
 
 @pytest.fixture(scope="module")

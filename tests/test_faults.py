@@ -29,7 +29,7 @@ from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.testing.forked_shims import ShimForkServer
 
-from support import describe_or_none, fleet_mid_epoch, info, tensors_v
+from support import connected, describe_or_none, endpoints, fleet_mid_epoch, info, tensors_v
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def recover_and_check(fleet: Fleet, version: int) -> float:
 
 def test_shim_sigkill_mid_broadcast(shim_procs):
     shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(3)]
-    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+    with Fleet(endpoints(shims),
                packing=Packing(BUCKET, 2), epoch_timeout_s=10) as fleet:
         link, handle = fleet_mid_epoch(fleet, big_weights(2), 2, committed=big_weights(1))
         t0 = time.monotonic()
@@ -132,11 +132,10 @@ def test_shim_killed_just_before_an_epoch_is_named():
         survivors = [forks.start("--model", "none", "--instance-id", f"s{i}") for i in (1, 2, 3)]
         for k, delay in enumerate(delays):
             victim = forks.start("--model", "none", "--instance-id", f"v{k}")
-            with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in [victim, *survivors]],
+            with Fleet(endpoints([victim, *survivors]),
                        packing=Packing(4096, 2), epoch_timeout_s=10,
                        control_timeout_s=5) as fleet:
-                fleet.prepare(info(weights))
-                link = fleet.connect("127.0.0.1")
+                link = connected(fleet, weights)
                 victim.signal(signal.SIGKILL)
                 time.sleep(delay)
                 started = time.monotonic()
@@ -217,8 +216,7 @@ def test_dead_shim_named_when_its_answer_comes_last(shim_procs):
             WorkerEndpoint(s.instance_id, s.address) for s in shims[1:]]
         with Fleet(endpoints, packing=Packing(4096, 2), epoch_timeout_s=10,
                    control_timeout_s=5) as fleet:
-            fleet.prepare(info(weights))
-            link = fleet.connect("127.0.0.1")
+            link = connected(fleet, weights)
             shims[0].signal(signal.SIGKILL)
             shims[0].proc.wait(5)
             with pytest.raises(EpochRefusedError) as e:
@@ -239,7 +237,7 @@ def test_shim_frozen_longer_than_the_deadline(shim_procs):
     shims = [shim_procs("--model", "none", "--instance-id", f"w{i}", "--max-epoch-s", "4")
              for i in range(3)]
     epoch_s = 4.0
-    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+    with Fleet(endpoints(shims),
                packing=Packing(BUCKET, 2), epoch_timeout_s=epoch_s, control_timeout_s=3) as fleet:
         link, handle = fleet_mid_epoch(fleet, big_weights(2), 2, committed=big_weights(1))
         t0 = time.monotonic()
@@ -325,8 +323,7 @@ def test_a_thousand_concurrent_describes_during_an_epoch(shim_procs):
     weights = big_weights(1)
     with Fleet([WorkerEndpoint("w0", shim.address)], packing=Packing(BUCKET, 2),
                epoch_timeout_s=30) as fleet, grpc.insecure_channel(shim.address) as ch:
-        fleet.prepare(info(weights))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights)
         fleet.refit(link, weights, version=1)
         stub = pb_grpc.RefitServiceStub(ch)
         rss_before = _rss_mb(shim.pid)

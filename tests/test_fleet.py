@@ -18,7 +18,7 @@ from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 
-from support import describe, fleet_mid_epoch, info, tensors_v
+from support import connected, describe, endpoints, fleet_mid_epoch, info, tensors_v
 
 BUFFER = 8 * 1024
 
@@ -49,7 +49,7 @@ def mixed_tensors(version: int) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_fleet_of_four_refits_three_versions_byte_exact(shim_procs):
     shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(4)]
-    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+    with Fleet(endpoints(shims),
                packing=Packing(BUFFER, 2), epoch_timeout_s=60) as fleet:
         assert fleet.inference_world_size == 4
         plan = fleet.prepare(info(mixed_tensors(1)))
@@ -75,13 +75,11 @@ def test_one_refusal_aborts_the_epoch_before_any_byte(shim_procs):
     t1, t2 = mixed_tensors(1), mixed_tensors(2)
     with Fleet(endpoints, packing=Packing(BUFFER, 2), epoch_timeout_s=30) as fleet, \
             Fleet(endpoints[:1], packing=Packing(BUFFER, 2), epoch_timeout_s=30) as solo:
-        fleet.prepare(info(t1))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, t1)
         fleet.refit(link, t1, version=1)
         link.close()
         # Worker 0 alone moves to version 10, so it will call version 2 stale.
-        solo.prepare(info(t1))
-        solo_link = solo.connect("127.0.0.1")
+        solo_link = connected(solo, t1)
         solo.refit(solo_link, t2, version=10)
         solo_link.close()
 
@@ -117,8 +115,7 @@ def test_restarted_worker_is_refused_by_membership_check(shim_procs):
     endpoints = [WorkerEndpoint(f"w{i}", s.address) for i, s in enumerate(shims)]
     t1 = mixed_tensors(1)
     with Fleet(endpoints, packing=Packing(BUFFER, 2), epoch_timeout_s=30) as fleet:
-        fleet.prepare(info(t1))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, t1)
         fleet.refit(link, t1, version=1)
         shims[1].stop()
         replacement = shim_procs("--model", "none", "--address", shims[1].address)
@@ -190,7 +187,7 @@ def test_worker_killed_mid_epoch_fails_fast_naming_it(shim_procs):
 
     shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(3)]
     big = {f"t{i}": torch.randn(256 * 1024) for i in range(16)}  # 16 MiB in 1 MiB buckets
-    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+    with Fleet(endpoints(shims),
                packing=Packing(1 << 20, 2), epoch_timeout_s=20) as fleet:
         link, handle = fleet_mid_epoch(fleet, big, 1)
         shims[1].signal(signal.SIGKILL)

@@ -12,8 +12,10 @@ import sys
 import pytest
 import torch
 
-from refit_grpc import Fleet, Packing, WorkerEndpoint, cli
+from refit_grpc import Fleet, Packing, cli
 from refit_grpc.testing.pki import make_pki
+
+from support import endpoints
 
 TOKEN = "fleet-cli-token"
 
@@ -37,7 +39,7 @@ def fleet_of_three(shim_procs, tmp_path):
     """w0 and w1 refit to version 1 over gloo; w2 idle; a workers file naming w2."""
     shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(3)]
     weights = {"w": torch.randn(256), "b": torch.randn(8).to(torch.bfloat16)}
-    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims[:2]],
+    with Fleet(endpoints(shims[:2]),
                packing=Packing(512, 2)) as fleet:
         plan = fleet.prepare({n: (t.shape, t.dtype) for n, t in weights.items()})
         link = fleet.connect("127.0.0.1")

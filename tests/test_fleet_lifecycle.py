@@ -12,7 +12,7 @@ from refit_grpc import EpochRefusedError, Fleet, Packing, WorkerEndpoint
 from refit_grpc.driver.failures import odd_digests
 from refit_grpc.shim.engines.reference import ReferenceEngine
 
-from support import fleet_mid_epoch, tensors_v
+from support import endpoints, fleet_mid_epoch, tensors_v
 
 
 def epoch_threads() -> list[threading.Thread]:
@@ -21,7 +21,7 @@ def epoch_threads() -> list[threading.Thread]:
 
 def test_close_ends_an_open_epoch_and_joins_its_threads(shim):
     shims = [shim(ReferenceEngine(model=None)) for _ in range(2)]
-    fleet = Fleet([WorkerEndpoint(f"w{i}", s.address) for i, s in enumerate(shims)],
+    fleet = Fleet(endpoints(shims, "w"),
                   packing=Packing(4096, 2), epoch_timeout_s=60)
     link, handle = fleet_mid_epoch(fleet, tensors_v(2), 2, committed=tensors_v(1))
     assert len(epoch_threads()) == 2 and not handle.closed

@@ -5,23 +5,12 @@ groups, reference engines in store mode)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from refit_grpc import Fleet, Packing, WorkerEndpoint
 from refit_grpc.errors import InvalidArgumentError
-from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
 
-from support import InProcessShim, info
-
-
-def weights(version: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(version)
-    return {f"layer.{i}": torch.randn(64 * 1024, generator=g) for i in range(4)}
-
-
-def endpoint(name: str, shim: InProcessShim) -> WorkerEndpoint:
-    return WorkerEndpoint(name, shim.address)
+from support import InProcessShim, connected, digest_of, endpoint, endpoints, weights
 
 
 def versions(*shims: InProcessShim) -> list[int]:
@@ -33,15 +22,14 @@ def test_added_and_removed_workers_take_effect_at_the_next_epoch(store_shims, mo
     a, b, c = store_shims(), store_shims(), store_shims()
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 16, 2),
                epoch_timeout_s=20) as fleet:
-        fleet.prepare(info(weights(1)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1))
         fleet.refit(link, weights(1), mode=mode)
 
         fleet.add(endpoint("c", c))  # no plan yet, not in the group: the next refit does both
         assert [e.instance_id for e in fleet.members] == ["a", "b", "c"]
         report = fleet.refit(link, weights(2), mode=mode, verify_weights=True)
         assert [w.instance_id for w in report.workers] == ["a", "b", "c"]
-        assert {w.weights_digest for w in report.workers} == {weights_digest(weights(2).items())}
+        assert {w.weights_digest for w in report.workers} == {digest_of(weights(2))}
         assert versions(a, b, c) == [2, 2, 2]
 
         fleet.remove("a")
@@ -58,8 +46,7 @@ def test_a_discovered_membership_is_followed(store_shims):
     a, b, c = store_shims(), store_shims(), store_shims()
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 16, 2),
                epoch_timeout_s=20) as fleet:
-        fleet.prepare(info(weights(1)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1))
         fleet.refit(link, weights(1))
         # The discovery now lists b and c: c appeared, a disappeared.
         added, removed = fleet.sync([{"instance_id": "b", "address": b.address},
@@ -113,15 +100,14 @@ def test_twenty_staged_epochs_with_random_adds_removes_and_kills(shim_procs):
         report = fleet.catch_up(name)
         d = describe_or_none(procs[name].address)
         assert report.version == version and d.weight_version == version, (name, events)
-        assert d.weights_digest == weights_digest(weights(version).items()), (name, events)
+        assert d.weights_digest == digest_of(weights(version)), (name, events)
 
     first = [start(next(names)) for _ in range(3)]
     dead: list[str] = []
     deltas = adds = 0
-    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in first],
+    with Fleet(endpoints(first),
                packing=Packing(1 << 16, 2), epoch_timeout_s=20, control_timeout_s=5) as fleet:
-        fleet.prepare(info(weights(1)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1))
         events = []
         for version in range(1, 21):
             members = [e.instance_id for e in fleet.members]
@@ -156,7 +142,7 @@ def test_twenty_staged_epochs_with_random_adds_removes_and_kills(shim_procs):
             report = fleet.refit(link, tensors, version=version, mode="staged", min_engines=1,
                                  delta=True)
             deltas += report.delta
-            want = weights_digest(tensors.items())
+            want = digest_of(tensors)
             assert {w.instance_id for w in report.workers} == \
                 {e.instance_id for e in fleet.members}, (version, events)
             for e in fleet.members:

@@ -21,13 +21,13 @@ from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.testing.vllm import VLLMServer, http_json
 
-from support import info, tensors_v
+from support import endpoints, info, tensors_v
 
 
 def test_connect_binds_the_store_on_a_port_the_kernel_picks(shim):
     shims = [shim(ReferenceEngine(model=None)) for _ in range(2)]
     weights = tensors_v(1)
-    with Fleet([WorkerEndpoint(f"w{i}", s.address) for i, s in enumerate(shims)],
+    with Fleet(endpoints(shims, "w"),
                packing=Packing(4096, 2)) as fleet:
         plan = fleet.prepare(info(weights))
         link = fleet.connect("127.0.0.1")  # port 0, the default

@@ -25,37 +25,16 @@ from refit_grpc.shim.metrics import _StateCollector
 from refit_grpc.shim.service import ShimConfig
 from refit_grpc.staging import StagedDigest, staged_digest
 
-from support import InProcessShim, join, prepare_request, start_ready_shim, tensors_v
+from support import Epoch, InProcessShim, join, prepare_request, start_ready_shim, tensors_v
 
 
-class StagedStream:
+class StagedStream(Epoch):
     """A staged UpdateWeights stream read on a thread."""
 
     def __init__(self, stub, version: int, digest: str, group_id: str = "g1", **fields):
-        self.messages: list[pb.UpdateWeightsResponse] = []
-        self.error: grpc.RpcError | None = None
-        self.accepted = threading.Event()
-        self.call = stub.UpdateWeights(pb.UpdateWeightsRequest(
-            version=version, plan_digest=digest, group_id=group_id,
-            mode=pb.EPOCH_MODE_STAGED, **fields), timeout=20)
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        try:
-            for m in self.call:
-                self.messages.append(m)
-                if m.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:
-                    self.accepted.set()
-        except grpc.RpcError as e:
-            self.error = e
-        finally:
-            self.accepted.set()
-
-    def join(self) -> StagedStream:
-        self.thread.join(20)
-        assert not self.thread.is_alive()
-        return self
+        self._open(stub, pb.UpdateWeightsRequest(version=version, plan_digest=digest,
+                                                 group_id=group_id, mode=pb.EPOCH_MODE_STAGED,
+                                                 **fields))
 
 
 def stage(ready, tensors, version: int, **fields) -> tuple[StagedStream, str]:

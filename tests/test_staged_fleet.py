@@ -14,28 +14,27 @@ import threading
 import time
 
 import pytest
-import torch
 
 from refit_grpc import EpochMode, Fleet, Packing, QuorumError, WorkerEndpoint
 from refit_grpc.cli.fleet import render_status, status_rows
-from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.base import Capabilities
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.service import ShimConfig
 
-from support import InProcessShim, describe_or_none, info
+from support import (
+    InProcessShim,
+    connected,
+    describe_or_none,
+    digest_of,
+    endpoints,
+    weights_in_mib,
+)
 
 BUCKET = 1 << 20
 
 
-def weights(version: int, mib: int = 16) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(version)
-    return {f"layer.{i}": torch.randn(256 * 1024, generator=g) for i in range(mib)}
-
-
-def digest_of(tensors) -> str:
-    return weights_digest(tensors.items())
+weights = weights_in_mib(16)
 
 
 class Watch:
@@ -77,10 +76,9 @@ def kill_at_first_bucket(victim) -> tuple:
 
 
 def connected_fleet(shims, **config) -> tuple[Fleet, object]:
-    fleet = Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+    fleet = Fleet(endpoints(shims),
                   packing=Packing(BUCKET, 2), epoch_timeout_s=20, **config)
-    fleet.prepare(info(weights(1)))
-    return fleet, fleet.connect("127.0.0.1")
+    return fleet, connected(fleet, weights(1))
 
 
 def test_a_staged_fleet_flips_every_engine_to_exactly_the_trainers_weights(shim_procs):
@@ -154,8 +152,7 @@ def test_sigkill_mid_staging_never_pauses_a_survivor(shim_procs, min_engines):
         shims[1] = shim_procs("--model", "none", "--instance-id", "w1",
                               "--address", shims[1].address)
         fleet.readmit("w1")
-        fleet.prepare(info(weights(1)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1))
         report = fleet.refit(link, weights(4), mode="staged", verify_weights=True)
         assert [w.instance_id for w in report.workers] == ["w0", "w1", "w2", "w3"]
         assert {w.weights_digest for w in report.workers} == {digest_of(weights(4))}
@@ -232,12 +229,11 @@ def test_an_engine_that_staged_other_bytes_is_the_only_one_left_out(min_engines)
              for engine in (ReferenceEngine(model=None), CorruptStaging(model=None),
                             ReferenceEngine(model=None))]
     try:
-        fleet = Fleet([WorkerEndpoint(f"s{i}", s.address) for i, s in enumerate(shims)],
+        fleet = Fleet(endpoints(shims, "s"),
                       packing=Packing(1 << 16, 2), epoch_timeout_s=20)
         with fleet:
             t = weights(1, mib=1)
-            fleet.prepare(info(t))
-            link = fleet.connect("127.0.0.1")
+            link = connected(fleet, t)
             if min_engines == 3:
                 with pytest.raises(QuorumError) as e:
                     fleet.refit(link, t, mode="staged", min_engines=3)
@@ -269,12 +265,11 @@ def test_a_refusal_leaves_only_the_refusing_engine_behind():
              for engine in (ReferenceEngine(model=None), CannotStage(model=None),
                             ReferenceEngine(model=None))]
     try:
-        fleet = Fleet([WorkerEndpoint(f"s{i}", s.address) for i, s in enumerate(shims)],
+        fleet = Fleet(endpoints(shims, "s"),
                       packing=Packing(1 << 16, 2), epoch_timeout_s=20)
         with fleet:
             t = weights(1, mib=1)
-            fleet.prepare(info(t))
-            link = fleet.connect("127.0.0.1")
+            link = connected(fleet, t)
             report = fleet.refit(link, t, mode="staged", min_engines=2)
             # The refusal aborted the round before any byte moved; the other two went on in a
             # group formed again without the refusing engine.

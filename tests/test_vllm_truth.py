@@ -56,13 +56,14 @@ def pool(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rigs(pool, tmp_path_factory):
-    """The three servers, started in the order the tests use them, two at a time."""
+def rigs(pool, vllm_servers, tmp_path_factory):
+    """The three servers, started in the order the tests use them, two at a time (the Llama one
+    is the session's, serving its checkpoint)."""
     qwen2 = build_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "tied", tiny_model_dir())
-    rigs = {"tied": pool.rig("tied", qwen2), "llama": pool.rig("llama", tiny_model_dir()),
-            "bf16": pool.rig("bf16", qwen2, dtype="bfloat16")}
+    rigs = {"tied": pool.rig("tied", qwen2), "bf16": pool.rig("bf16", qwen2, dtype="bfloat16")}
     rigs["tied"].start()
-    rigs["llama"].start()
+    rigs["llama"] = pool.rig("llama", tiny_model_dir(),
+                             server=vllm_servers.server(tiny_model_dir()))
     yield rigs
     survivors = [pid for r in rigs.values() for pid in r.close()]
     assert not survivors, f"vLLM processes outlived their rig: {survivors}"

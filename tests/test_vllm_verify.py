@@ -28,12 +28,15 @@ BUFFER = 256 * 1024
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    """Two servers whose checkpoints differ (seed 0 and seed 1), each with its shim."""
+def engines(vllm_servers, tmp_path_factory):
+    """Two servers whose checkpoints differ (seed 0: the session's, serving its checkpoint; seed
+    1: the module's own, booting meanwhile), each with its shim."""
     other = build_tiny_llama(tmp_path_factory.mktemp("tiny-other") / "tiny", seed=1)
     with module_pool(tmp_path_factory, "vllm-logs") as pool:
-        rigs = [pool.rig(f"vllm-{i}", model_dir, buffer_size_bytes=BUFFER).ready()
-                for i, model_dir in enumerate((tiny_model_dir(), other))]
+        seed1 = pool.rig("vllm-1", other, buffer_size_bytes=BUFFER).start()
+        seed0 = pool.rig("vllm-0", tiny_model_dir(), buffer_size_bytes=BUFFER,
+                         server=vllm_servers.server(tiny_model_dir()))
+        rigs = [seed0.ready(), seed1.ready()]
         yield [r.server for r in rigs], [r.shim for r in rigs]
 
 

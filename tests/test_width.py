@@ -14,22 +14,21 @@ from __future__ import annotations
 
 import signal
 import time
+from functools import partial
 
 import pytest
-import torch
 
-from refit_grpc import Fleet, FleetError, WorkerEndpoint
-from refit_grpc.plan import Packing, weights_digest
+from refit_grpc import Fleet, FleetError
+from refit_grpc.plan import Packing
 from refit_grpc.testing.forked_shims import ShimForkServer
 
-from support import info
+from support import connected, digest_of, endpoint, endpoints, info
+from support import weights as support_weights
 
 WIDTH = 64
 
 
-def weights(version: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(version)
-    return {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(8)}
+weights = partial(support_weights, layers=8, shape=(64, 64), name="layer{i}.weight")
 
 
 @pytest.fixture(scope="module")
@@ -51,32 +50,30 @@ def fleet_of(shims, **config) -> Fleet:
     """A Fleet of shims (forked or spawned: anything with an instance id and an address)."""
     config = {"packing": Packing(1 << 16, 2), "join_timeout_s": 90, "epoch_timeout_s": 60,
               **config}
-    return Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims], **config)
+    return Fleet(endpoints(shims), **config)
 
 
 def refit_and_check(fleet: Fleet, link, version: int) -> None:
     w = weights(version)
     report = fleet.refit(link, w, version=version, verify_weights=True)
-    expected = weights_digest(w.items())
+    expected = digest_of(w)
     assert len(report.workers) == len(fleet.members)
     assert {r.weights_digest for r in report.workers} == {expected}
 
 
 def test_sixty_four_shims_form_refit_and_form_again(wide):
     with fleet_of(wide) as fleet:
-        fleet.prepare(info(weights(1)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1))
         refit_and_check(fleet, link, 1)
         # A membership change forms the group again at the next epoch.
         fleet.remove(wide[-1].instance_id)
         refit_and_check(fleet, link, 2)
-        fleet.add(WorkerEndpoint(wide[-1].instance_id, wide[-1].address))
+        fleet.add(endpoint(wide[-1].instance_id, wide[-1]))
         refit_and_check(fleet, link, 3)
         link.close()
     # A new Fleet (a trainer restarted) forms the same shims again.
     with fleet_of(wide) as fleet:
-        fleet.prepare(info(weights(1)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1))
         refit_and_check(fleet, link, 4)
         link.close()
 
@@ -101,7 +98,6 @@ def test_a_join_that_fails_ends_the_formation_at_once_naming_its_shim(shim_procs
     assert "victim" in str(err.value).split(";")[0]
     assert took < 10, took
     with fleet_of(wide) as fleet:
-        fleet.prepare(info(weights(1)))
-        link = fleet.connect("127.0.0.1")
+        link = connected(fleet, weights(1))
         refit_and_check(fleet, link, 5)
         link.close()

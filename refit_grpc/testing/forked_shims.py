@@ -15,10 +15,11 @@ import io
 import multiprocessing
 import multiprocessing.connection
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 
-from refit_grpc.shim.process import READY_PREFIX, die_with_parent
+from refit_grpc.shim.process import METRICS_PREFIX, READY_PREFIX, ShimProcess, die_with_parent
 
 _PRELOAD = ["refit_grpc.cli", "refit_grpc.collective", "refit_grpc.shim.server",
             "refit_grpc.shim.service", "refit_grpc.shim.engines.reference"]
@@ -49,11 +50,57 @@ def _run_shim(argv: list[str], conn: multiprocessing.connection.Connection) -> N
     sys.exit(main(argv))
 
 
+class _PopenOf:
+    """A forked process seen through the part of `subprocess.Popen` that `ShimProcess` and its
+    users call (poll, wait, send_signal, kill, terminate, pid, returncode)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess):
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        pid = self._process.pid
+        if pid is None:
+            raise RuntimeError("the process was never started")
+        return pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(f"forked shim {self.pid}", timeout or 0.0)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+
 @dataclass
 class ForkedShim:
     process: multiprocessing.process.BaseProcess
     address: str
     instance_id: str
+    metrics_address: str | None = None  # HOST:PORT of its metrics endpoint, when it serves one
+
+    def as_shim_process(self) -> ShimProcess:
+        """The same process as a `ShimProcess` (what `spawn_shim` returns): `proc` answers the
+        Popen calls tests make (poll, wait, send_signal, kill)."""
+        return ShimProcess(_PopenOf(self.process), self.address,  # type: ignore[arg-type]
+                           self.instance_id, self.metrics_address)
 
     @property
     def pid(self) -> int:
@@ -96,12 +143,16 @@ class ShimForkServer:
         process = self._ctx.Process(target=_run_shim, args=(argv, send), daemon=True)
         process.start()
         send.close()
+        metrics_address = None
         try:
             while receive.poll(timeout_s):
                 text = receive.recv()
+                if text.startswith(METRICS_PREFIX):
+                    url = text[len(METRICS_PREFIX):].strip()
+                    metrics_address = url.removeprefix("http://").removesuffix("/metrics")
                 if text.startswith(READY_PREFIX):
                     address, instance_id = text[len(READY_PREFIX):].split()
-                    shim = ForkedShim(process, address, instance_id)
+                    shim = ForkedShim(process, address, instance_id, metrics_address)
                     self.started.append(shim)
                     return shim
         except EOFError:

@@ -1,8 +1,10 @@
-"""Start and stop real vLLM servers for a test module; nothing they started may outlive it.
+"""Start and stop real vLLM servers for the tests; nothing they started may outlive its owner.
 
-`ServerPool` is a module's servers; `Rig` (`ServerPool.rig`) is the one way to get "a vLLM server
-+ a shim + a Fleet"; `module_pool` is the module fixture's body: the pool, then at teardown every
-rig closed and every server stopped, and the proof that no process of them survived.
+`SharedServers` is the session's servers, one per configuration (model, dtype, flags, environment),
+handed to every module that asks for that configuration, reset to its checkpoint between modules;
+`ServerPool` is a module's own servers; `Rig` (`ServerPool.rig`) is the one way to get "a vLLM
+server + a shim + a Fleet"; `module_pool` is the module fixture's body: the pool, then at teardown
+every rig closed and every server it owns stopped, and the proof that no process of them survived.
 """
 
 from __future__ import annotations
@@ -15,6 +17,108 @@ from pathlib import Path
 from refit_grpc.driver import Fleet, WorkerEndpoint
 from refit_grpc.shim.process import ShimProcess, spawn_shim
 from refit_grpc.testing.vllm import VLLMServer
+
+
+class SharedServers:
+    """The session's vLLM servers, one per configuration: modules that ask for the same model,
+    dtype, flags and environment share one server instead of each starting its own (30-70 s a
+    start on 2 cores). The configuration is the key, so a module never gets a server started
+    otherwise than it asked.
+
+    A module gets the server in a known state: serving its checkpoint (sent back over a group of
+    its own, then checked by generating against transformers), resumed, no weight-transfer group
+    left, weight version "default" as at start. One that cannot be brought back (its process
+    gone, /health failing, the reset refused, or a generation that is not the checkpoint's) is
+    stopped and started again, so a module that leaves its server broken costs the next one a
+    start, never its correctness. A module that replaces a server (kills it and starts another
+    on its port) hands the new one over with `replace`."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self._servers: dict[tuple, VLLMServer] = {}
+        self._stopped: list[VLLMServer] = []
+        self.starts = self.resets = 0
+
+    @staticmethod
+    def key(model_dir: Path, dtype: str = "float32", extra_args: tuple[str, ...] = (),
+            env: dict[str, str] | None = None) -> tuple:
+        return (str(model_dir), dtype, tuple(extra_args), tuple(sorted((env or {}).items())))
+
+    def server(self, model_dir: Path, *, dtype: str = "float32",
+               extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+               ready_timeout_s: float = 300.0) -> VLLMServer:
+        """The configuration's server, started on first use and reset to its checkpoint on each
+        later one."""
+        key = self.key(model_dir, dtype, extra_args, env)
+        server = self._servers.pop(key, None)
+        if server is not None and not self._reset(server, model_dir, dtype):
+            server.stop()
+            self._stopped.append(server)
+            server = None
+        if server is None:
+            args = tuple(extra_args) + (() if dtype == "float32" else ("--dtype", dtype))
+            log = self.log_dir / f"shared-{self.starts}.log"
+            server = VLLMServer(model_dir, log_path=log, extra_args=args, env=env)
+            server.start()
+            server.wait_ready(ready_timeout_s)
+            self.starts += 1
+        self._servers[key] = server
+        return server
+
+    def replace(self, old: VLLMServer, new: VLLMServer) -> None:
+        """`new` takes `old`'s place (its configuration's server from now on)."""
+        for key, server in self._servers.items():
+            if server is old:
+                self._servers[key] = new
+                self._stopped.append(old)
+                return
+        raise KeyError("not a shared server")
+
+    def _reset(self, server: VLLMServer, model_dir: Path, dtype: str) -> bool:
+        import torch
+
+        from refit_grpc.plan import Packing, RefitPlan
+        from refit_grpc.testing.vllm import (
+            PROMPT,
+            complete,
+            direct_cycle,
+            direct_group,
+            hf_greedy,
+            http_json,
+            load_hf_model,
+            release_group,
+        )
+
+        if server.proc is None or server.proc.poll() is not None:
+            return False
+        try:
+            if http_json("GET", server.url, "/health", timeout_s=5.0)[0] != 200:
+                return False
+            model = load_hf_model(model_dir)
+            tensors = {n: t.detach().to(getattr(torch, dtype)).contiguous()
+                       for n, t in model.state_dict().items()}
+            plan = RefitPlan.from_tensors(tensors.items(), Packing(256 * 1024, 2))
+            group = direct_group(server.url, plan)
+            try:
+                # "default": the version vLLM declares before its first update.
+                direct_cycle(server.url, group, plan, tensors, "default")  # type: ignore[arg-type]
+            finally:
+                group.close()
+                release_group(server.url)
+            if http_json("GET", server.url, "/weight_info")[1] != {"weight_version": "default"}:
+                return False
+            self.resets += 1
+            return complete(server.url, PROMPT, 6)["token_ids"] == hf_greedy(model, PROMPT, 6)
+        except Exception:  # noqa: BLE001  (any failure: start a fresh one)
+            return False
+
+    def stop_all(self) -> list[int]:
+        """Stop every server; returns the pids of any process that survived (must be empty)."""
+        everyone = [*self._servers.values(), *self._stopped]
+        self._servers.clear()
+        for server in everyone:
+            server.stop()
+        return sorted({pid for s in everyone for pid in s.group_pids() if _alive(pid)})
 
 
 class ServerPool:
@@ -72,8 +176,11 @@ class Rig:
 
     def __init__(self, pool, name: str, model_dir: Path, dtype: str = "float32",
                  buffer_size_bytes: int = 256 * 1024, epoch_timeout_s: float = 60.0,
-                 env: dict[str, str] | None = None, tensor_parallel: int = 1):
+                 env: dict[str, str] | None = None, tensor_parallel: int = 1,
+                 server: VLLMServer | None = None):
         self.pool, self.name, self.model_dir, self.dtype = pool, name, model_dir, dtype
+        # A server given here (a `SharedServers` one) is used, never stopped, by the rig.
+        self.own_server = server is None
         self.env = dict(env or {})
         self.tensor_parallel = tensor_parallel
         if tensor_parallel > 1:
@@ -82,13 +189,15 @@ class Rig:
                                 "|".join(str(r) for r in range(tensor_parallel)))
         self.buffer_size_bytes = buffer_size_bytes
         self.epoch_timeout_s = epoch_timeout_s
-        self.server: VLLMServer | None = None
+        self.server: VLLMServer | None = server
         self.shim: ShimProcess | None = None
         self.fleet: Fleet | None = None
         self._link = None
         self._link_info: list | None = None
 
     def start(self) -> Rig:
+        if self.server is not None:  # given, or started already
+            return self
         # vllm_command passes --dtype float32; vLLM's parser lets the later --dtype win.
         extra = () if self.dtype == "float32" else ("--dtype", self.dtype)
         if self.tensor_parallel > 1:
@@ -154,7 +263,7 @@ class Rig:
             fleet.close()
         if shim is not None:
             shim.stop()
-        if self.server is None:
+        if self.server is None or not self.own_server:
             return []
         self.server.stop()
         return self.server.group_pids()
