@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from refit_grpc.driver.failures import WorkerFailure as WorkerFailure
     from refit_grpc.driver.options import InPlace as InPlace
     from refit_grpc.driver.options import Staged as Staged
+    from refit_grpc.driver.reports import RollbackReport as RollbackReport
+    from refit_grpc.driver.rollback import RollbackError as RollbackError
     from refit_grpc.errors import InvalidArgumentError as InvalidArgumentError
     from refit_grpc.errors import MembershipChangedError as MembershipChangedError
     from refit_grpc.errors import RefitError as RefitError

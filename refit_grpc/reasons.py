@@ -74,6 +74,11 @@ class Reason(enum.StrEnum):
     INVALID_DELTA = "INVALID_DELTA"
     DELTA_UNSUPPORTED = "DELTA_UNSUPPORTED"
     DELTA_BASE_MISMATCH = "DELTA_BASE_MISMATCH"
+    # --- rollback to the previous copy (Rollback) ------------------------------------------
+    ROLLBACK_UNSUPPORTED = "ROLLBACK_UNSUPPORTED"
+    NO_PREVIOUS_COPY = "NO_PREVIOUS_COPY"
+    ROLLBACK_VERSION_MISMATCH = "ROLLBACK_VERSION_MISMATCH"
+    ROLLBACK_FAILED = "ROLLBACK_FAILED"
     # --- catch-up from a peer (ServeCatchUp, CatchUp) ---------------------------------------
     INVALID_CATCH_UP = "INVALID_CATCH_UP"
     CATCH_UP_UNSUPPORTED = "CATCH_UP_UNSUPPORTED"

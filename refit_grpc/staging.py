@@ -87,7 +87,17 @@ def staged_digest(plan: RefitPlan, buckets: Iterator[tuple[Bucket, torch.Tensor]
 
 
 class StagingCopy:
-    """One host copy of the weights in plan layout (module docstring).
+    """One host copy of the weights in plan layout (module docstring), and where an epoch is
+    reversible, the copy of the version before it.
+
+    The previous copy (`previous`): a staged epoch that is to be reversible (`allocate(...,
+    keep_previous=True)`) keeps the committed copy as it was and lands in a second buffer (a
+    delta: onto a copy of the committed one). Once that epoch's flip loaded it, the kept copy
+    is the previous version's, which `restore_previous` makes the copy a flip loads again: a
+    rollback is a flip of the previous copy. A staged epoch that fails or is dropped before
+    its flip gives the committed copy back (it still equals the live weights). Memory: a
+    second copy of the plan while one is kept (`nbytes` counts both); a staged epoch that is
+    not reversible frees it.
 
     Thread safety: one epoch writes it at a time (the shim serializes epochs); `valid_for`,
     `invalidate` and `commit` may be called from any thread.
@@ -106,18 +116,51 @@ class StagingCopy:
         self._offsets: list[int] = []  # tensor index -> byte offset
         self._digest: str | None = None  # staged digest, once every bucket landed
         self._live_version = 0  # the version a flip loaded from it (it equals the live weights)
+        # The previous copy: same plan, its buffer, (version, staged digest) while it holds one.
+        self._spare: torch.Tensor | None = None
+        self._previous: tuple[int, str] | None = None
+        # While a rollback's flip is pending: the previous copy it restores (given back as
+        # previous if the flip never comes; once loaded, none is kept before it).
+        self._restoring: tuple[int, str] | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (the extra memory staging costs), 0 before the first epoch."""
-        return 0 if self._flat is None else self._flat.numel()
+        """Bytes held (the extra memory staging costs: the copy, and a previous copy's buffer
+        while one is kept), 0 before the first epoch."""
+        held = 0 if self._flat is None else self._flat.numel()
+        return held + (0 if self._spare is None else self._spare.numel())
 
-    def allocate(self, plan: RefitPlan) -> None:
+    def allocate(self, plan: RefitPlan, keep_previous: bool = False,
+                 delta: bool = False) -> None:
         """Make room for `plan` (kept when the plan is the same) and mark the copy invalid: an
-        epoch is about to overwrite it."""
+        epoch is about to overwrite it.
+
+        Args:
+            plan: the epoch's plan.
+            keep_previous: keep the committed copy, if this plan's, as the previous version
+                (the epoch is reversible); the epoch lands in the second buffer.
+            delta: the epoch applies onto the committed copy: with `keep_previous`, the
+                second buffer starts as a copy of it.
+        """
         with self._lock:
-            self._digest, self._live_version = None, 0
-            if self._plan is not None and self._plan.digest == plan.digest:
+            same_plan = self._plan is not None and self._plan.digest == plan.digest
+            committed = (self._live_version, self._digest) \
+                if same_plan and self._live_version and self._digest else None
+            self._digest, self._live_version, self._restoring = None, 0, None
+            self._previous = None
+            if keep_previous and committed is not None:
+                assert self._flat is not None
+                kept = self._flat
+                if self._spare is None:
+                    self._spare = torch.empty_like(kept, pin_memory=self._pin)
+                self._flat, self._spare = self._spare, kept
+                self._previous = committed
+                if delta:
+                    self._flat.copy_(kept)
+                return
+            if not keep_previous or not same_plan:
+                self._spare = None  # its memory goes back
+            if same_plan:
                 return
             self._flat = None  # the old copy's memory goes before the new one is taken
             offsets, offset = [], 0
@@ -165,6 +208,8 @@ class StagingCopy:
         """A flip loaded the copy: it now equals the live weights, at `version`."""
         with self._lock:
             self._live_version = version
+            if self._restoring is not None:  # a rollback: the version left is not kept
+                self._previous, self._restoring = None, None
 
     @property
     def live_version(self) -> int:
@@ -172,24 +217,64 @@ class StagingCopy:
         with self._lock:
             return self._live_version
 
+    @property
+    def previous(self) -> tuple[int, str] | None:
+        """(version, staged digest) of the previous copy: the committed copy before the last
+        reversible epoch's flip, what a rollback loads; None when none is kept."""
+        with self._lock:
+            return self._previous if self._live_version else None
+
+    def restore_previous(self) -> tuple[int, str]:
+        """Make the previous copy the one a flip loads (a rollback); the committed copy it
+        replaces is kept aside until that flip is done, and given back if it never comes
+        (`drop_pending`).
+
+        Returns:
+            (version, staged digest) of the copy to flip to.
+
+        Raises:
+            ValueError: no previous copy is kept.
+        """
+        with self._lock:
+            previous = self._previous if self._live_version else None
+            if previous is None or self._spare is None or self._digest is None:
+                raise ValueError("no previous copy to roll back to")
+            assert self._flat is not None
+            self._flat, self._spare = self._spare, self._flat
+            self._previous = (self._live_version, self._digest)
+            self._digest, self._live_version, self._restoring = previous[1], 0, previous
+            return previous
+
     def invalidate(self) -> None:
-        """Forget what the copy holds (the memory is kept for the next epoch)."""
+        """Forget what the copy holds, and a previous copy (the live weights changed without
+        them: an in-place receive). The memory is kept for the next epoch."""
         with self._lock:
             self._digest, self._live_version = None, 0
+            self._previous, self._restoring = None, None
 
     def drop_pending(self) -> None:
-        """Forget a copy that is not (yet) the live weights: a staged epoch dropped before its
-        flip. A committed copy (`live_version`) is kept: it is still what the engine serves,
-        a delta's base and what a catch-up is served from."""
+        """Forget a copy that is not (yet) the live weights: a staged epoch failed or dropped
+        before its flip. A committed copy (`live_version`) is kept: it is still what the engine
+        serves, a delta's base and what a catch-up is served from; where the epoch had set it
+        aside as the previous copy, it is given back."""
         with self._lock:
-            if not self._live_version:
-                self._digest = None
+            if self._live_version:
+                return
+            if self._previous is not None and self._spare is not None:
+                self._flat, self._spare = self._spare, self._flat
+                self._live_version, self._digest = self._previous
+                # A rollback that never flipped: the copy it would have loaded is the previous
+                # one again.
+                self._previous, self._restoring = self._restoring, None
+                return
+            self._digest = None
 
     def release(self) -> None:
         """Give the memory back (the engine closes)."""
         with self._lock:
             self._flat, self._plan, self._offsets = None, None, []
             self._digest, self._live_version = None, 0
+            self._spare, self._previous, self._restoring = None, None, None
 
 
 __all__ = ["StagedDigest", "StagingCopy", "bucket_checksum", "staged_digest"]

@@ -58,7 +58,7 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))
 TIMEOUT_S = 5.0
 RPCS = ("Describe", "Prepare", "InitCollective", "UpdateWeights", "Flush", "Abort", "Flip",
-        "ServeCatchUp", "CatchUp")
+        "ServeCatchUp", "CatchUp", "Rollback")
 STREAMING = {"InitCollective", "UpdateWeights", "ServeCatchUp"}
 INT32 = (-(1 << 31), (1 << 31) - 1)
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -338,10 +338,34 @@ def test_update_weights(rig):
     @given(st.data())
     def check(data):
         call(rig, "UpdateWeights", pb.UpdateWeightsRequest(**mutate(
-            data, "UpdateWeights", base, bad, {"verify_weights": st.booleans()})))
+            data, "UpdateWeights", base, bad, {"verify_weights": st.booleans(),
+                                               "reversible": st.booleans()})))
 
     check()
-    assert_every_field_fuzzed("UpdateWeights", pb.UpdateWeightsRequest, {"verify_weights"})
+    assert_every_field_fuzzed("UpdateWeights", pb.UpdateWeightsRequest,
+                              {"verify_weights", "reversible"})
+
+
+def test_rollback(rig):
+    """The rig's version came through the first staged epoch: no previous copy, so every
+    Rollback is refused; the bad fields before that (the field checks, the instance)."""
+    base = dict(version=1, instance_id=rig.instance_id, pause_mode=pb.PAUSE_MODE_KEEP)
+    bad = {
+        "version": st.one_of(bad_version, st.integers(2, MAX_VERSION)),  # 1 is served
+        "to_version": st.one_of(bad_version.filter(bool), st.integers(1, MAX_VERSION)),
+        "instance_id": st.one_of(bad_id, st.just("another-instance")),
+        "pause_mode": bad_enum,
+    }
+
+    @SETTINGS
+    @given(st.data())
+    def check(data):
+        call(rig, "Rollback", pb.RollbackRequest(**mutate(
+            data, "Rollback", base, bad, {"stay_paused": st.booleans(),
+                                          "verify_weights": st.booleans()})))
+
+    check()
+    assert_every_field_fuzzed("Rollback", pb.RollbackRequest, {"stay_paused", "verify_weights"})
 
 
 def test_flip(rig):

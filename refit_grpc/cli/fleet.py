@@ -1,4 +1,5 @@
-"""`refit-grpc fleet status | flush | abort`: one command over a list of shims, built on `Fleet`.
+"""`refit-grpc fleet status | flush | abort | rollback`: one command over a list of shims, built
+on `Fleet`.
 
 Workers come from repeatable `--worker INSTANCE_ID=ADDRESS` flags and/or `--workers-file FILE`
 (one `instance_id address` per line; blank lines and `#` comments ignored). Security is
@@ -7,10 +8,12 @@ Workers come from repeatable `--worker INSTANCE_ID=ADDRESS` flags and/or `--work
 crash; the exit status is 1 when any worker failed, 2 on a usage error.
 
 `status` fails a worker that is unreachable, BROKEN, or whose engine is unhealthy. Its VERSION
-column notes a staged version, a catch-up under way ("catching up from PEER") and a peer serving
-one. `status --watch` reads `--workers-file` again every round and follows it: workers that
-appear are added, those that disappear removed, and the round says so ("# membership: +w3 -w1";
-in JSON, a "membership" key).
+column notes a staged version, the previous copy a rollback would go back to ("back to N"), a
+catch-up under way ("catching up from PEER") and a peer serving one. `rollback` takes every shim
+back to its previous copy's version (`Fleet.rollback()`: all or, when they differ, none).
+`status --watch` reads `--workers-file` again every round and follows it: workers that appear
+are added, those that disappear removed, and the round says so ("# membership: +w3 -w1"; in
+JSON, a "membership" key).
 """
 
 from __future__ import annotations
@@ -56,7 +59,12 @@ def add_fleet_parser(sub, func) -> None:
     abort = verbs.add_parser("abort", parents=[common],
                              help="abort any epoch or join and drop every shim's group")
     abort.add_argument("--reason", default="operator abort")
-    for p in (status, flush, abort):
+    rollback = verbs.add_parser("rollback", parents=[common],
+                                help="every shim back to the version before its last flip "
+                                     "(its previous copy), resumed together")
+    rollback.add_argument("--mode", choices=["keep", "wait", "abort"], default="keep",
+                          help="how in-flight requests are paused (default keep)")
+    for p in (status, flush, abort, rollback):
         p.set_defaults(func=func)
 
 
@@ -108,6 +116,8 @@ class StatusRow:
     # A staged version waiting for its flip (None: none), and the last flip's stall.
     staged_version: int | None = None
     last_stall_s: float | None = None
+    # The version a rollback would go back to (None: no previous copy kept).
+    previous_version: int | None = None
     # A catch-up under way: the peer this engine receives from and the fraction landed, or
     # the engine this one (a peer) serves.
     catching_up_from: str = ""
@@ -149,6 +159,7 @@ def status_rows(fleet) -> list[StatusRow]:
             canary_gap=d.last_canary_gap if d.last_canary_version and d.last_canary_gap >= 0
             else None, staged_version=d.staged_version or None,
             last_stall_s=d.last_stall_seconds or None,
+            previous_version=d.previous_copy_version or None,
             catching_up_from=d.catching_up_from,
             catch_up_fraction=_fraction(d.catch_up_bytes_received, fleet.plan)
             if d.catching_up_from else None,
@@ -174,6 +185,32 @@ def flush_rows(fleet, mode: str) -> list[ActionRow]:
                       detail="" if e.instance_id in failed else "flushed and resumed",
                       error=_failure_text(failed[e.instance_id]) if e.instance_id in failed else "")
             for e in fleet.endpoints]
+
+
+def rollback_rows(fleet, mode: str) -> list[ActionRow]:
+    from refit_grpc.common import PauseMode
+    from refit_grpc.driver.rollback import RollbackError
+
+    failed, report = {}, None
+    try:
+        report = fleet.rollback(PauseMode(mode))
+    except RollbackError as e:
+        failed, report = {f.instance_id: f for f in e.failures}, e.report
+    done = set(report.workers) if report is not None else set()
+    rows = []
+    for w in fleet.endpoints:
+        if w.instance_id in done:
+            assert report is not None
+            rows.append(ActionRow(w.instance_id, w.address, ok=True,
+                                  detail=f"rolled back {report.rolled_back_from} -> "
+                                         f"{report.version}"))
+        else:
+            f = failed.get(w.instance_id)
+            rows.append(ActionRow(w.instance_id, w.address, ok=False,
+                                  detail="not rolled back",
+                                  error=_failure_text(f) if f else "not rolled back: another "
+                                  "shim refused, so none moved"))
+    return rows
 
 
 def abort_rows(fleet, reason: str) -> list[ActionRow]:
@@ -222,6 +259,8 @@ def render_status(rows: list[StatusRow]) -> str:
         if r.version is None:
             return "-"
         notes = [f"staged {r.staged_version}"] if r.staged_version else []
+        if r.previous_version:
+            notes.append(f"back to {r.previous_version}")
         if r.catching_up_from:
             done = "" if r.catch_up_fraction is None else f" {r.catch_up_fraction:.0%}"
             notes.append(f"catching up{done} from {r.catching_up_from}")
@@ -276,6 +315,8 @@ def run_fleet_command(args, out=None, err=None) -> int:
             return _emit(flush_rows(fleet, args.mode), render_actions, args.json, out)
         if args.verb == "abort":
             return _emit(abort_rows(fleet, args.reason), render_actions, args.json, out)
+        if args.verb == "rollback":
+            return _emit(rollback_rows(fleet, args.mode), render_actions, args.json, out)
         if args.watch is None:
             return _emit(status_rows(fleet), render_status, args.json, out)
         return _watch(fleet, args, out)

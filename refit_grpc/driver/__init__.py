@@ -12,12 +12,13 @@ another class's private names):
   the versions (latest opened, committed copy), the delta base.
 - `in_place.InPlaceRound`, `staged.StagedRound`: one epoch of each mode, with its checks
   (`checks.Checks`: verify, canary).
+- `rollback.Rollbacks`: rollbacks to the previous copy (after a failed check, `Fleet.rollback()`).
 - `catch_up.CatchUps`: catch-ups from a peer; `plans`: Prepare; `reports`: what an epoch
   reports; `failures`: what went wrong; `links` / `nccl`: the trainer's end of the group.
 - `options`: what an epoch is (`InPlace`, `Staged`); `config`: `FleetConfig` and the derived
   `FleetState`; `endpoint`: `WorkerEndpoint`, `ChannelSecurity`.
 
-Imports go one way: `fleet` -> the rounds (`in_place`, `staged`) -> `epochs` -> `groups`,
+Imports go one way: `fleet` -> the rounds (`in_place`, `staged`) -> `rollback` -> `epochs` -> `groups`,
 `catch_up` -> `membership`, `plans`, `checks` -> `calls` -> `failures`, `config`, `endpoint`.
 """
 
@@ -38,9 +39,12 @@ from refit_grpc.driver.failures import (
 from refit_grpc.driver.fleet import EpochReport, Fleet, WorkerReport
 from refit_grpc.driver.links import GlooLink, TrainerLink
 from refit_grpc.driver.options import InPlace, Staged
+from refit_grpc.driver.reports import RollbackReport
+from refit_grpc.driver.rollback import RollbackError
 
 __all__ = ["CatchUpError", "CatchUpReport", "ChannelSecurity", "Checks", "EpochFailedError",
            "EpochHandle", "EpochRefusedError", "EpochReport", "Fleet", "FleetError",
            "FleetTimeoutError", "GlooLink", "InPlace", "MembershipRefusedError",
-           "ProgressCallback", "QuorumError", "Staged", "TrainerLink", "WeightsMismatchError",
+           "ProgressCallback", "QuorumError", "RollbackError", "RollbackReport", "Staged",
+           "TrainerLink", "WeightsMismatchError",
            "WorkerEndpoint", "WorkerFailure", "WorkerReport"]

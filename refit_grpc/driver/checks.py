@@ -75,7 +75,7 @@ def same_weights(version: int, committed: Sequence[pb.UpdateWeightsResponse],
                          f"weights digest {digests[i][:16] or '(none)'} at version {version}"
                          + (f", the fleet's is {majority[:16]}" if majority else ""))
            for i in odd_indexes]
-    raise WeightsMismatchError(f"epoch {version}: engines hold different weights; left "
+    raise WeightsMismatchError(f"epoch {version}: engines hold different weights; held "
                                "paused, not flushed", odd)
 
 
@@ -102,7 +102,7 @@ def canary_close(version: int, canary: Canary, committed: Sequence[pb.UpdateWeig
     if odd:
         raise CanaryMismatchError(
             f"epoch {version}: engines compute other log-probabilities than the trainer's; "
-            "left paused, not flushed", odd, gaps=gaps)
+            "held paused, not flushed", odd, gaps=gaps)
 
 
 __all__ = ["Checks", "canary_close", "same_weights"]

@@ -92,7 +92,8 @@ class Epochs:
             mode=EPOCH_MODE_TO_PROTO[epoch.mode],
             flip_timeout_s=self.config.flip_timeout_s if staged else 0.0,
             delta_base_version=delta_base.version if delta_base else 0,
-            delta_base_digest=delta_base.staged_digest if delta_base else "")
+            delta_base_digest=delta_base.staged_digest if delta_base else "",
+            reversible=isinstance(epoch, Staged) and epoch.reversible)
             for m in group]
         handle = EpochHandle(links(group), version, requests, self.config.epoch_timeout_s,
                              self.formation.abort_epoch, on_progress, streams=self.calls.streams,

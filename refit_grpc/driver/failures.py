@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2
@@ -49,6 +50,9 @@ class FleetError(RefitError, RuntimeError):
 
     code = Code.ABORTED
     default_reason = Reason.FLEET_CALL_FAILED
+    # A `reports.RollbackReport` when the fleet was rolled back after this failure (a staged
+    # epoch's check that failed after the flip); None otherwise.
+    rollback: Any = None
 
     def __init__(self, message: str, failures: list[WorkerFailure], *,
                  reason: Reason | str | None = None):
@@ -94,7 +98,8 @@ class WeightsMismatchError(FleetError):
     """Every engine committed, but their weights digests differ (`Checks(verify=True)`).
 
     The fleet was not flushed, so the engines stay paused and serve nothing; `failures` names
-    the engines whose digest is not the fleet's.
+    the engines whose digest is not the fleet's. After a reversible staged epoch's flip the
+    fleet was rolled back instead (`rollback`: what was done).
     """
 
     default_reason = Reason.WEIGHTS_MISMATCH
@@ -104,7 +109,8 @@ class CanaryMismatchError(FleetError):
     """Every engine committed, but some computed the canary's log-probabilities away from the
     trainer's by more than the tolerance, or could not compute them (`Checks(canary=...)`).
 
-    The fleet was not flushed, so the engines stay paused and serve nothing.
+    The fleet was not flushed, so the engines stay paused and serve nothing; after a
+    reversible staged epoch's flip it was rolled back instead (`rollback`: what was done).
 
     Args:
         message: what failed.

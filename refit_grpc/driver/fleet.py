@@ -42,7 +42,8 @@ from refit_grpc.driver.membership import Member, Membership, ValidateWorkers
 from refit_grpc.driver.membership import links as links_of
 from refit_grpc.driver.options import Epoch, Staged, options, reopened
 from refit_grpc.driver.plans import negotiate_packing, prepare_on
-from refit_grpc.driver.reports import EpochReport, WorkerReport
+from refit_grpc.driver.reports import EpochReport, RollbackReport, WorkerReport
+from refit_grpc.driver.rollback import Rollbacks
 from refit_grpc.driver.staged import StagedRound
 from refit_grpc.errors import InvalidArgumentError
 from refit_grpc.plan import Packing, RefitPlan
@@ -89,6 +90,7 @@ class Fleet:
                              self.catch_ups)
         self._in_place = InPlaceRound(self.calls, self.membership, self.formation, self.epochs)
         self._staged = StagedRound(self.calls, self.membership, self.formation, self.epochs)
+        self._rollbacks = Rollbacks(self.calls, self.epochs)
 
     @property
     def validate_workers(self) -> ValidateWorkers | None:
@@ -356,6 +358,27 @@ class Fleet:
         if deprecated:
             reopened(handle, deprecated)
         return self._staged.flip(handle, self._plan_for("flip()", _PREPARED), staged_digest)
+
+    def rollback(self, pause_mode: PauseMode = PauseMode.KEEP) -> RollbackReport:
+        """Take the fleet back to the version before its last flip: every member loads its
+        previous copy (kept by a reversible staged epoch, `Staged(reversible=True)`), held
+        paused until all did, then all resume together (docs/protocol.md, "Rollback"). The
+        next epoch's version must still be newer than the one rolled back from (the default
+        moves on); the next delta epoch is a full one.
+
+        Returns:
+            What was done (`RollbackReport`).
+
+        Raises:
+            RollbackError: refused before anything moved (a member that does not answer, does
+                not serve the fleet's version, or keeps no previous copy: NO_PREVIOUS_COPY,
+                ROLLBACK_VERSION_MISMATCH, each named), or some engines failed to roll back
+                (`error.report`: the others did, and serve the old version).
+            FleetStateError: the fleet is closed.
+        """
+        refuse_unless(self.state, _OPEN, "rollback()")
+        self.catch_ups.settle()
+        return self._rollbacks.fleet(self.membership.members, pause_mode)
 
     @property
     def delta_base_bytes(self) -> int:

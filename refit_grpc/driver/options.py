@@ -39,6 +39,11 @@ class Staged:
         delta: send each bucket as what changed since the last staged epoch when every
             member's committed copy is that epoch's; otherwise a full epoch
             (`refit_grpc.delta`).
+        reversible: every engine keeps its committed copy as the previous copy beside the
+            new one, so the fleet can go back to the version before this epoch: at once when
+            the epoch's checks fail after the flip (the error's `rollback` says what was
+            done), or later with `Fleet.rollback()`. Costs a second host copy of the weights
+            on each engine; an engine whose last epoch was in place has no copy to keep.
 
     Raises:
         InvalidArgumentError: `min_engines` below 1 (INVALID_MIN_ENGINES).
@@ -47,6 +52,7 @@ class Staged:
     mode: ClassVar[EpochMode] = EpochMode.STAGED
     min_engines: int | None = None
     delta: bool = False
+    reversible: bool = True
 
     def __post_init__(self) -> None:
         if self.min_engines is not None and self.min_engines < 1:
@@ -135,7 +141,8 @@ def reopened(handle: Any, legacy: Mapping[str, Any]) -> None:
     warnings.warn(f"flip({', '.join(f'{k}=' for k in sorted(legacy))}) is deprecated: the "
                   "epoch carries them (update_weights(epoch=Staged(min_engines=...), "
                   "checks=Checks(...)))", DeprecationWarning, stacklevel=3)
-    handle.epoch = Staged(min_engines=legacy.get("min_engines"), delta=handle.epoch.delta)
+    handle.epoch = Staged(min_engines=legacy.get("min_engines"), delta=handle.epoch.delta,
+                          reversible=handle.epoch.reversible)
     handle.pause_mode = legacy.get("pause_mode", PauseMode.KEEP)
     handle.checks = Checks(verify=legacy.get("verify_weights", False),
                            canary=legacy.get("canary"))

@@ -1,4 +1,6 @@
-"""What an epoch reports: `EpochReport` (what `Fleet.refit()` returns) and its `WorkerReport`s."""
+"""What an epoch reports: `EpochReport` (what `Fleet.refit()` returns) and its `WorkerReport`s;
+what a rollback reports: `RollbackReport` (`Fleet.rollback()`, and a failed check's
+`error.rollback`)."""
 
 from __future__ import annotations
 
@@ -74,4 +76,30 @@ class EpochReport:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-__all__ = ["EpochReport", "WorkerReport"]
+@dataclass(frozen=True)
+class RollbackReport:
+    """What a rollback did (`Fleet.rollback()`; `error.rollback` of a staged epoch whose checks
+    failed after its flip).
+
+    Args:
+        version: the version the rolled-back engines serve now.
+        rolled_back_from: the version they left.
+        workers: the engines rolled back (resumed together), by instance id.
+        stall_seconds: the longest pause of any of them (pause to the end of its load).
+        failed: the engines that were not rolled back, and why (no previous copy kept, or the
+            call failed): they are where they were.
+    """
+
+    version: int
+    rolled_back_from: int
+    workers: tuple[str, ...]
+    stall_seconds: float
+    failed: tuple[WorkerFailure, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        """Every engine asked was rolled back."""
+        return not self.failed
+
+
+__all__ = ["EpochReport", "RollbackReport", "WorkerReport"]

@@ -22,8 +22,10 @@ from refit_grpc.driver.checks import Checks
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback
 from refit_grpc.driver.epochs import DeltaBase, RoundParts
 from refit_grpc.driver.failures import (
+    CanaryMismatchError,
     FleetError,
     QuorumError,
+    WeightsMismatchError,
     WorkerFailure,
     explained_by_abort,
     odd_digests,
@@ -31,7 +33,8 @@ from refit_grpc.driver.failures import (
 from refit_grpc.driver.links import GlooLink, TrainerLink
 from refit_grpc.driver.membership import Member, links
 from refit_grpc.driver.options import Staged
-from refit_grpc.driver.reports import EpochReport, WorkerReport
+from refit_grpc.driver.reports import EpochReport, RollbackReport, WorkerReport
+from refit_grpc.driver.rollback import Rollbacks, no_previous_copy
 from refit_grpc.errors import InvalidArgumentError, RefitError
 from refit_grpc.plan import RefitPlan
 from refit_grpc.proto import PAUSE_MODE_TO_PROTO, pb
@@ -121,7 +124,7 @@ class StagedRound(RoundParts):
             run.pending = [m for m in retry if m not in lost]
             base = None  # a failed round spent the base (engines' and the trainer's): full
         assert run.digest is not None
-        report = self._finish(run, plan, required, pause_mode, checks)
+        report = self._finish(run, plan, required, pause_mode, checks, epoch.reversible)
         if epoch.delta:
             # The next delta's base: what every engine that flipped now holds.
             flat = base.flat if base is not None else flat_copy(plan, tensors)
@@ -246,12 +249,14 @@ class StagedRound(RoundParts):
                 run.behind[m] = _other_bytes(m, msg.staged_digest, staged_digest, "expected")
             elif m.instance_id in by_id:
                 run.behind[m] = by_id[m.instance_id]
-        return self._finish(run, plan, required, handle.pause_mode, handle.checks)
+        return self._finish(run, plan, required, handle.pause_mode, handle.checks,
+                            handle.epoch.reversible)
 
     def _finish(self, run: _Staging, plan: RefitPlan, required: int, pause_mode: PauseMode,
-                checks: Checks) -> EpochReport:
+                checks: Checks, reversible: bool) -> EpochReport:
         """The decision and the flip of a staged epoch: quorum or nothing, each engine flipped
-        once, checked, and (when held paused for the checks) resumed together."""
+        once, checked, and (when held paused for the checks) resumed together; a reversible
+        epoch whose checks failed is rolled back (`_roll_back_after`)."""
         assert run.digest is not None
         version, behind = run.version, run.behind
         mismatched = [m for m, f in behind.items() if f.reason == Reason.STAGED_DIGEST_MISMATCH]
@@ -278,7 +283,12 @@ class StagedRound(RoundParts):
         shims = links(list(flipped))
         as_committed = [pb.UpdateWeightsResponse(weights_digest=a.weights_digest,
                                                  canary=a.canary) for a in flipped.values()]
-        checks.run(version, as_committed, shims)
+        try:
+            checks.run(version, as_committed, shims)
+        except (CanaryMismatchError, WeightsMismatchError) as e:
+            if reversible:
+                self._roll_back_after(e, version, flipped, run.staged_as, pause_mode)
+            raise
         if checks.any:
             # Held paused by the flip until every engine was checked: now all serve at once.
             self.calls.flush(shims, pause_mode, "resume after the flip failed")
@@ -292,6 +302,32 @@ class StagedRound(RoundParts):
                 a.canary.seconds if canary else None, stall_seconds=a.stall_seconds,
                 load_seconds=a.load_seconds) for m, a in flipped.items()),
             mode=EpochMode.STAGED, left_behind=tuple(behind.values()), reforms=run.reforms)
+
+    def _roll_back_after(self, error: FleetError, version: int,
+                         flipped: Mapping[Member, pb.FlipResponse],
+                         staged_as: Mapping[Member, str], pause_mode: PauseMode) -> None:
+        """The checks rejected `version` after the flip, the engines held paused: put every
+        one that kept a previous copy back on it and resume them (`Rollbacks`); those that
+        kept none stay paused at `version`, named in the report. The report goes on `error`
+        (`error.rollback`), which the caller raises."""
+        previous = {m: a.previous_copy_version for m, a in flipped.items()}
+        able = [m for m, v in previous.items() if v]
+        to_versions = {previous[m] for m in able}
+        cannot = tuple(no_previous_copy(m, version) for m in flipped if not previous[m])
+        if len(to_versions) == 1:
+            (to_version,) = to_versions
+            report = Rollbacks(self.calls, self.epochs).run(able, version, to_version,
+                                                            pause_mode, staged_as)
+            report = replace(report, failed=report.failed + cannot)
+        else:  # none kept one, or they kept different versions: nothing to agree on
+            report = RollbackReport(version=version, rolled_back_from=version, workers=(),
+                                    stall_seconds=0.0, failed=cannot + tuple(
+                                        no_previous_copy(m, version) for m in able))
+        error.rollback = report
+        error.add_note(f"rolled back to version {report.version} on {len(report.workers)} of "
+                       f"{len(flipped)} engines" + (
+                           "" if report.complete else "; not: " + "; ".join(
+                               str(f) for f in report.failed)))
 
     def _flip_each(self, version: int, digest: str, staged_as: Mapping[Member, str],
                    pause_mode: PauseMode, stay_paused: bool

@@ -33,6 +33,7 @@ class Busy(enum.Enum):
     FLIP = "Flip"
     SERVE = "ServeCatchUp"
     CATCH_UP = "CatchUp"
+    ROLLBACK = "Rollback"
 
 
 ANY_STATE: frozenset[int] = frozenset(pb.ShimState.values()) - {pb.SHIM_STATE_UNSPECIFIED}
@@ -76,6 +77,9 @@ ADMISSIONS: Mapping[str, Admission] = {
     "ServeCatchUp": Admission(_LIVE, ANY_BUSY, holds=Busy.SERVE, checks_instance=True),
     "CatchUp": Admission(_LIVE | {pb.SHIM_STATE_BROKEN}, ANY_BUSY, holds=Busy.CATCH_UP,
                          checks_instance=True),
+    # Not in STAGED (a staged version waits for its Flip; Abort drops it) nor BROKEN (the
+    # previous copy is older than the last good version).
+    "Rollback": Admission(_LIVE, ANY_BUSY, holds=Busy.ROLLBACK, checks_instance=True),
     # Never refused: it is how anything running is stopped, the drain's included.
     "Abort": Admission(ANY_STATE, frozenset(), refused_draining=False),
 }

@@ -69,6 +69,7 @@ class ShimCore:
         self.group: GroupSpec | None = None
         self.weights_intact = True
         self.version = 0             # the version committed (applied)
+        self.highest_version = 0     # the highest ever committed (a rollback goes below it)
         self.last_error = ""
         self.busy: Busy | None = None
         self.epoch: Epoch | None = None
@@ -145,10 +146,13 @@ class ShimCore:
     # --- checks and transitions under the lock ----------------------------------------------
 
     def check_newer_locked(self, version: int) -> None:
-        """Versions only move forward (invariant 4)."""
-        if version <= self.version:
+        """Epoch versions only move forward (invariant 4), past a rollback's too: a version
+        rolled back from is never reused for other weights."""
+        if version <= max(self.version, self.highest_version):
+            rolled = (f", {self.highest_version} before a rollback"
+                      if self.highest_version > self.version else "")
             raise FailedPreconditionError(
-                f"version {version} is not newer than applied {self.version}",
+                f"version {version} is not newer than applied {self.version}{rolled}",
                 reason=Reason.STALE_VERSION)
 
     def check_digest_locked(self, digest: str) -> RefitPlan:
@@ -169,6 +173,7 @@ class ShimCore:
     def commit_locked(self, version: int, canary: pb.CanaryResult | None) -> None:
         """`version` is whole in the engine's weights (an epoch's commit, a flip's load)."""
         self.version = version
+        self.highest_version = max(self.highest_version, version)
         self.weights_intact = True
         self.last_error = ""
         if canary is not None:

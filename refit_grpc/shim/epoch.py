@@ -65,8 +65,11 @@ def epoch_from_request(core: ShimCore, request: pb.UpdateWeightsRequest,
     delta = bool(request.delta_base_version or request.delta_base_digest)
     if delta:
         _check_delta_request(request, staged, engine)
+    # Reversible where the engine can keep a previous copy; what it kept, Describe and the
+    # FlipResponse say (an engine that cannot, or has no committed copy, keeps none).
+    reversible = staged and request.reversible and engine.capabilities.rollback
     return Epoch(request.version, deadline, request.verify_weights, canary, staged=staged,
-                 delta=delta, flip_timeout_s=flip_timeout_s), mode
+                 delta=delta, reversible=reversible, flip_timeout_s=flip_timeout_s), mode
 
 
 def _check_delta_request(request: pb.UpdateWeightsRequest, staged: bool, engine: Engine) -> None:

@@ -1,6 +1,7 @@
 """A staged version's Flip on the shim: which staged version a Flip may load, and the load itself
 (pause, the engine's flip, the canary, caches cleared, resume), which CatchUp runs too once a
-peer's copy landed. The facts it changes are `ShimCore`'s.
+peer's copy landed, and Rollback once the engine made its previous copy the staged one. The
+facts it changes are `ShimCore`'s.
 """
 
 from __future__ import annotations
@@ -49,6 +50,46 @@ def refuse_mismatch(core: ShimCore, staged: StagedVersion,
         f"{core.version}", reason=Reason.STAGED_DIGEST_MISMATCH)
 
 
+def check_rollback_locked(core: ShimCore, request: pb.RollbackRequest) -> tuple[int, str]:
+    """The previous copy a Rollback names: (version, staged digest). Refusals change
+    nothing."""
+    engine = core.engine
+    if not engine.capabilities.rollback:
+        raise FailedPreconditionError(f"the {engine.kind} engine cannot roll back",
+                                      reason=Reason.ROLLBACK_UNSUPPORTED)
+    if request.version != core.version:
+        raise FailedPreconditionError(
+            f"Rollback from version {request.version}, this engine serves {core.version}",
+            reason=Reason.ROLLBACK_VERSION_MISMATCH)
+    previous = engine.previous_copy
+    if previous is None:
+        raise FailedPreconditionError(
+            f"no previous copy to roll back to from version {core.version} (the epoch that "
+            "committed it was not a reversible staged one, or the weights changed since)",
+            reason=Reason.NO_PREVIOUS_COPY)
+    if request.to_version and request.to_version != previous[0]:
+        raise FailedPreconditionError(
+            f"Rollback to version {request.to_version}, the previous copy holds {previous[0]}",
+            reason=Reason.ROLLBACK_VERSION_MISMATCH)
+    return previous
+
+
+def roll_back(core: ShimCore, request: pb.RollbackRequest, mode: PauseMode,
+              deadline: Deadline) -> pb.RollbackResponse:
+    """Load the previous copy as a Flip loads a staged one (`load`): the engine makes it its
+    staged copy, then pause, load, clear caches, resume. Before the load nothing changed (a
+    failed pause gives both copies back); a failed load leaves the engine BROKEN, as a flip's
+    does."""
+    left = core.version
+    version, digest = core.engine.restore_previous(deadline)
+    previous = StagedVersion(version, digest, request.verify_weights, None, None)
+    done = load(core, previous, mode, request.stay_paused, deadline)
+    log.warning("rolled back from version %d to %d", left, version)
+    return pb.RollbackResponse(version=version, rolled_back_from=left, staged_digest=digest,
+                               stall_seconds=done.stall_seconds, load_seconds=done.load_seconds,
+                               weights_digest=done.weights_digest, resumed=done.resumed)
+
+
 def load(core: ShimCore, staged: StagedVersion, mode: PauseMode, stay_paused: bool,
          deadline: Deadline, *, resume_paused: bool = False) -> pb.FlipResponse:
     """Pause, load the staged copy, (canary,) clear caches, resume. `resume_paused`: resume even
@@ -75,8 +116,10 @@ def load(core: ShimCore, staged: StagedVersion, mode: PauseMode, stay_paused: bo
     with core.lock:
         core.last_stall_s = stall
     log.info("flipped to version %d: stall %.3fs (load %.3fs)", staged.version, stall, load_s)
+    previous = engine.previous_copy
     return pb.FlipResponse(version=staged.version, stall_seconds=stall, load_seconds=load_s,
-                           weights_digest=digest, canary=canary_result, resumed=resumed)
+                           weights_digest=digest, canary=canary_result, resumed=resumed,
+                           previous_copy_version=previous[0] if previous else 0)
 
 
 def _load_or_break(core: ShimCore, staged: StagedVersion,
@@ -104,4 +147,5 @@ def _load_or_break(core: ShimCore, staged: StagedVersion,
                                 f"{type(e).__name__}: {e}", reason=Reason.FLIP_FAILED) from e
 
 
-__all__ = ["load", "refuse_mismatch", "take_staged_locked"]
+__all__ = ["check_rollback_locked", "load", "refuse_mismatch", "roll_back",
+           "take_staged_locked"]

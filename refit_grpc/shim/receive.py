@@ -38,6 +38,7 @@ class Epoch:
     canary: pb.Canary | None = None  # computed after the commit, before COMMITTED
     staged: bool = False  # a staged epoch: bytes land in the staging copy, never paused
     delta: bool = False   # its buckets are deltas against the committed copy
+    reversible: bool = False  # keep the committed copy as the previous one (Rollback)
     flip_timeout_s: float = 0.0
     bytes_applied: int = 0
     abort_reason: str = ""
@@ -127,7 +128,8 @@ class EpochReceive:
         try:
             if epoch.staged:
                 staged_digest = engine.stage(self._plan, epoch.deadline, on_bucket,
-                                             delta=epoch.delta)
+                                             delta=epoch.delta,
+                                             keep_previous=epoch.reversible)
                 self._events.put((_Event.DONE, Received(staged_digest, None)))
                 return
             engine.receive(self._plan, epoch.deadline, on_bucket)

@@ -91,6 +91,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         with status_on_error(context):
             status = self.engine.status(with_digest=not request.skip_weights_digest)
             copy, core = self.engine.committed_copy, self._core
+            previous = self.engine.previous_copy
             with core.lock:
                 core.admit_locked("Describe")
                 peer = core.catch_up
@@ -115,7 +116,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     committed_copy_digest=copy[1] if copy else "",
                     serving_catch_up_to=peer.other if peer and peer.serving else "",
                     catching_up_from=catching_up.other if catching_up else "",
-                    catch_up_bytes_received=catching_up.bytes_received if catching_up else 0)
+                    catch_up_bytes_received=catching_up.bytes_received if catching_up else 0,
+                    previous_copy_version=previous[0] if previous else 0,
+                    previous_copy_digest=previous[1] if previous else "")
 
     def Prepare(self, request, context):
         with status_on_error(context):
@@ -206,6 +209,26 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 raise flip.refuse_mismatch(core, staged, request.staged_digest)
             with flipping:
                 done = flip.load(core, staged, mode, request.stay_paused, deadline)
+            done.state = core.state()
+            return done
+
+    def Rollback(self, request, context):
+        """Put the engine back on its previous copy's version (`flip.roll_back`): refusals
+        change nothing."""
+        core = self._core
+        with status_on_error(context, core.record_error):
+            deadline = self._deadline(context, self.config.max_epoch_s)
+            check_version(request.version, "version")
+            if request.to_version:
+                check_version(request.to_version, "to_version")
+            check_instance_id(request.instance_id, "instance_id")
+            mode = pause_mode(request.pause_mode, PauseMode.KEEP)
+            with core.lock:
+                core.admit_locked("Rollback", request.instance_id)
+                flip.check_rollback_locked(core, request)
+                rolling = core.hold_locked("Rollback")
+            with rolling:
+                done = flip.roll_back(core, request, mode, deadline)
             done.state = core.state()
             return done
 

@@ -28,6 +28,11 @@ and, for a catch-up served from this engine (docs/protocol.md, Catch-up from a p
                                             status goes to the catch-up's rendezvous store
     refit_grpc_cancel_serve()               end a serve in flight
 
+and for a rollback (docs/protocol.md, Rollback):
+
+    refit_grpc_restore_previous()           the previous copy (kept by a reversible epoch)
+                                            becomes the staged copy; the flip then loads it
+
 Dynamo discards what a forwarded call returns, so a staged receive's progress, digest or error
 (`wire.worker.StageStatus`) is published by a thread of this worker to the trainer's TCPStore
 (the store the abort key already goes through), under `wire.dynamo.stage_status_key`. The flip
@@ -199,6 +204,11 @@ class RefitGlooWorkerExtension:
         if receiver is None:
             return {"state": "idle"}
         return receiver.staged.cancel_serve().to_wire()
+
+    def refit_grpc_restore_previous(self, **_: Any) -> dict[str, Any]:
+        """A rollback's first step (`staged.StagedReceive.restore_previous`); raises where no
+        previous copy is kept, which Dynamo answers as an error."""
+        return self._refit_grpc_receiver().staged.restore_previous().to_wire()
 
     def refit_grpc_drop_staged(self, **_: Any) -> dict[str, Any]:
         """Forget the staged copy and end a staged receive in flight (its publisher reports

@@ -49,6 +49,7 @@ from refit_grpc.vllm_plugin.layerwise import (  # noqa: F401  (TiedRoutes: re-ex
 from refit_grpc.wire.vllm import (
     STAGE_OP_CANCEL_SERVE,
     STAGE_OP_DROP,
+    STAGE_OP_RESTORE,
     STAGE_OP_SERVE,
     STAGE_OP_START,
     STAGE_OP_STATUS,
@@ -151,6 +152,8 @@ class RefitGlooWeightTransferEngine(
             status = self.receiver.serve(info, self.worker_rank(0))
         elif op == STAGE_OP_CANCEL_SERVE:
             status = self.receiver.staged.cancel_serve()
+        elif op == STAGE_OP_RESTORE:
+            status = self.receiver.staged.restore_previous()
         else:
             raise ValueError(f"refit_grpc gloo: unknown operation {op!r}")
         return status.to_wire()

@@ -264,7 +264,8 @@ class LayerwiseReceiver:
         plan = update_info.plan(info.packing)
         deadline = Deadline(update_info.timeout_s or info.timeout_s)
         return self.staged.start(group, plan, deadline, self.rank, on_failure=group.close,
-                                 delta=bool(update_info.delta))
+                                 delta=bool(update_info.delta),
+                                 keep_previous=bool(update_info.reversible))
 
     def serve(self, info: ServeInfo, engine_rank: int) -> StageStatus:
         """A catch-up from this engine: its rank-0 worker broadcasts its committed copy to the

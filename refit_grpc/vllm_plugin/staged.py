@@ -92,7 +92,8 @@ class StagedReceive:
         return thread is not None and thread.is_alive()
 
     def start(self, group: Group, plan: RefitPlan, deadline: Deadline, rank: int,
-              on_failure: Callable[[], None], delta: bool = False) -> StageStatus:
+              on_failure: Callable[[], None], delta: bool = False,
+              keep_previous: bool = False) -> StageStatus:
         """Start receiving `plan` from `group` into the copy; returns at once.
 
         Args:
@@ -103,6 +104,8 @@ class StagedReceive:
             on_failure: runs on the receive's thread when it fails (closes the group).
             delta: the buckets come as deltas against the committed copy, which must be laid
                 out by the same plan (the shim checked its digest is the trainer's base).
+            keep_previous: a reversible epoch: the committed copy is kept as the previous copy
+                and the receive lands beside it (`StagingCopy.allocate`).
 
         Returns:
             The status right after the start (`STAGE_RECEIVING`).
@@ -121,7 +124,8 @@ class StagedReceive:
             if delta and not self._holds_committed(plan):
                 raise RuntimeError("refit_grpc gloo: a delta needs a committed copy of this "
                                    "plan to apply to; this worker has none")
-            self.copy.allocate(plan)  # kept when the plan is the same; invalid until complete
+            # Kept when the plan is the same; invalid until complete.
+            self.copy.allocate(plan, keep_previous=keep_previous, delta=delta)
             self._plan, self._deadline, self.rank = plan, deadline, rank
             self._state, self._landed, self._digest = STAGE_RECEIVING, 0, ""
             self._error = self._reason = ""
@@ -161,7 +165,7 @@ class StagedReceive:
                         land=copy.bucket_view, land_from_first=True)
             staged = digest.hexdigest()
         except BaseException as e:  # noqa: BLE001  (reported through status, never lost)
-            copy.invalidate()
+            copy.drop_pending()  # a committed copy set aside as the previous one is back
             with self._lock:
                 self._state = STAGE_FAILED
                 self._error = f"{type(e).__name__}: {e}"[:800]
@@ -181,6 +185,7 @@ class StagedReceive:
         with self._lock:
             plan = self._plan
             committed = self.copy.live_version
+            previous = self.copy.previous
             serve = self._serve.snapshot()
             return StageStatus(rank=self.rank, state=self._state, landed=self._landed,
                                total=len(plan.buckets) if plan is not None else 0,
@@ -188,7 +193,9 @@ class StagedReceive:
                                staging_bytes=self.copy.nbytes,
                                committed_version=committed,
                                committed_digest=(self.copy.digest or "") if committed else "",
-                               serve_state=serve[0], served=serve[1], serve_error=serve[2])
+                               serve_state=serve[0], served=serve[1], serve_error=serve[2],
+                               previous_version=previous[0] if previous else 0,
+                               previous_digest=previous[1] if previous else "")
 
     def drop(self) -> StageStatus:
         """Forget a pending copy (its memory is kept; a committed copy stays) and end a
@@ -230,6 +237,24 @@ class StagedReceive:
             self.copy.invalidate()
         with self._lock:
             self._state, self._digest = STAGE_IDLE, ""
+
+    def restore_previous(self) -> StageStatus:
+        """A rollback: the previous copy becomes the staged copy (STAGED, its digest), which
+        the flip then loads at its version (`committed`); `drop` puts both back.
+
+        Raises:
+            RuntimeError: a receive or serve runs, or no previous copy is kept.
+        """
+        with self._lock:
+            if self.running or self._serve.running:
+                raise RuntimeError("refit_grpc gloo: a staged receive or a serve is running; "
+                                   "no rollback now")
+            try:
+                _, digest = self.copy.restore_previous()
+            except ValueError as e:
+                raise RuntimeError(f"refit_grpc gloo: {e}") from None
+            self._state, self._digest, self._error, self._reason = STAGE_STAGED, digest, "", ""
+        return self.status()
 
     def forget_committed(self) -> None:
         """The live weights change without the copy (an in-place receive): it is no longer

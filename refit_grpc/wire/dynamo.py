@@ -47,6 +47,9 @@ DROP_STAGED_RPC = "refit_grpc_drop_staged"
 # the catch-up's rendezvous store (hosted by the shim, which reads it there).
 SERVE_RPC = "refit_grpc_serve"
 CANCEL_SERVE_RPC = "refit_grpc_cancel_serve"
+# A rollback: every worker makes its previous copy the staged copy (answered at once, raising
+# where it keeps none); the flip that follows loads it.
+RESTORE_RPC = "refit_grpc_restore_previous"
 
 # Dynamo shuts the whole worker down (os._exit) when init_weights_update_group outlives this.
 INIT_TIMEOUT_ENV = "DYN_RL_INIT_WEIGHTS_TIMEOUT_S"
@@ -84,7 +87,7 @@ def destroy_body() -> dict[str, Any]:
 
 
 def stage_body(plan: RefitPlan, timeout_s: float, status_key: str,
-               delta: bool = False) -> dict[str, Any]:
+               delta: bool = False, reversible: bool = False) -> dict[str, Any]:
     """The body of the `update_weights_from_distributed` that starts every worker's staged
     receive (the extension's `refit_grpc_stage`, which returns at once): the plan as for an
     update, the key prefix its status goes to, and Dynamo's reserved keys for a call on an
@@ -94,6 +97,8 @@ def stage_body(plan: RefitPlan, timeout_s: float, status_key: str,
             "engine_rpc": STAGE_RPC, "allow_unpaused": True, "reset_prefix_cache": False}
     if delta:
         body["delta"] = True  # the buckets come as deltas against the committed copy
+    if reversible:
+        body["reversible"] = True  # the committed copy is kept as the previous copy
     return body
 
 
@@ -118,6 +123,12 @@ def serve_body(info: ServeInfo, status_key: str) -> dict[str, Any]:
     (the extension's `refit_grpc_serve`, which returns at once); the engine keeps serving."""
     return {**info.to_wire(), "status_key": status_key, "engine_rpc": SERVE_RPC,
             "allow_unpaused": True, "reset_prefix_cache": False}
+
+
+def restore_body() -> dict[str, Any]:
+    """The body of the `update_weights_from_distributed` that starts a rollback on every
+    worker (the previous copy becomes the staged one); the engine keeps serving."""
+    return {"engine_rpc": RESTORE_RPC, "allow_unpaused": True, "reset_prefix_cache": False}
 
 
 def cancel_serve_body() -> dict[str, Any]:

@@ -46,8 +46,10 @@ STAGE_OP_DROP = "drop_staged"       # forget a pending copy, end a receive in fl
 # the status, whose serve_* fields say how the serve goes.
 STAGE_OP_SERVE = "serve_copy"
 STAGE_OP_CANCEL_SERVE = "cancel_serve"
+# A rollback: the previous copy becomes the staged copy (a flip then loads it); the status.
+STAGE_OP_RESTORE = "restore_previous"
 STAGE_OPS = (STAGE_OP_START, STAGE_OP_STATUS, STAGE_OP_DROP, STAGE_OP_SERVE,
-             STAGE_OP_CANCEL_SERVE)
+             STAGE_OP_CANCEL_SERVE, STAGE_OP_RESTORE)
 SOURCE_STAGED = "staged"
 
 
@@ -128,6 +130,9 @@ class GlooUpdateInfo:
     delta: bool | None = None
     # A flip: the version it commits; the copy it loaded stays as the committed copy.
     version: int | None = None
+    # A staged receive of a reversible epoch: the committed copy is kept as the previous copy
+    # (a rollback's) and the receive lands beside it.
+    reversible: bool | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -142,6 +147,8 @@ class GlooUpdateInfo:
             raise ValueError("a load from the staged copy needs the staged_digest it must hold")
         if self.delta and self.source == SOURCE_STAGED:
             raise ValueError("a delta is received, not loaded from the staged copy")
+        if self.reversible and self.source == SOURCE_STAGED:
+            raise ValueError("reversible is a staged receive's, not a flip's")
         if self.version is not None and (self.source != SOURCE_STAGED or self.version < 1):
             raise ValueError(f"version {self.version} is a staged flip's, >= 1")
 

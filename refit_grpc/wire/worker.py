@@ -58,6 +58,9 @@ class StageStatus:
         serve_state: "" (never served), `SERVE_RUNNING`, `SERVE_DONE` or `SERVE_FAILED`.
         served: buckets of the committed copy broadcast so far by the serve.
         serve_error: why the serve failed, else "".
+        previous_version: the version of the previous copy (the committed copy before the
+            last reversible epoch's flip, what a rollback loads); 0 when none is kept.
+        previous_digest: that copy's staged digest, else "".
     """
 
     rank: int
@@ -73,6 +76,8 @@ class StageStatus:
     serve_state: str = ""
     served: int = 0
     serve_error: str = ""
+    previous_version: int = 0
+    previous_digest: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

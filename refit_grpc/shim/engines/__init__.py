@@ -34,8 +34,10 @@ What a new engine reached over HTTP (SGLang, say) must supply, and nothing more:
      - where its routes need them: `_error_for` (how it answers a failure), `_open_update`
        (a route that opens an update session, as vLLM's /start_weight_update), `_check_group`
        (a group its workers cannot join), and for staged epochs (`Capabilities(staging=True)`)
-       `_start_stage(plan, deadline, timeout_s, delta)` (start every worker's staged receive,
-       return their statuses and how to poll them) and `_post_drop_staged(deadline)`;
+       `_start_stage(plan, deadline, timeout_s, delta, keep_previous)` (start every worker's
+       staged receive, return their statuses and how to poll them) and
+       `_post_drop_staged(deadline)`; for serving catch-ups `_start_serve`/`_cancel_serve`;
+       for rollbacks (`Capabilities(rollback=True)`) `_post_restore_previous(deadline)`;
        with a canary (`Capabilities(canary=True)`), `canary_logprobs`;
    - `ENGINE = EngineKind(SGLangOptions, SGLangEngine.from_options)`.
    Pause, resume, init, receive, stage, flip, finish, drop, abort, the receiving/touched state,

@@ -56,12 +56,17 @@ class Capabilities:
             DELTA_UNSUPPORTED).
         serving_copy: `serve_copy` works: a peer catches up from this engine's committed copy
             (else CATCH_UP_UNSUPPORTED).
+        rollback: `stage(..., keep_previous=True)` keeps the committed copy as the previous
+            version and `restore_previous` makes it the copy a flip loads: a reversible
+            epoch can be rolled back (else ROLLBACK_UNSUPPORTED, and epochs are not kept
+            reversible).
     """
 
     canary: bool = False
     staging: bool = False
     delta: bool = False
     serving_copy: bool = False
+    rollback: bool = False
 
 
 class Engine(ABC):
@@ -270,8 +275,15 @@ class Engine(ABC):
         when there is none."""
         return None
 
+    @property
+    def previous_copy(self) -> tuple[int, str] | None:
+        """(version, staged digest) of the previous copy: the committed copy as it was before
+        the last reversible epoch's flip, what a rollback loads; None when none is kept."""
+        return None
+
     def stage(self, plan: RefitPlan, deadline: Deadline,
-              on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
+              on_bucket: Callable[[Bucket], None], delta: bool = False,
+              keep_previous: bool = False) -> str:
         """Receive every bucket of the epoch into the staging copy (`refit_grpc.staging`)
         while the engine keeps serving: it is never paused for this, and its live weights are
         not touched.
@@ -282,6 +294,8 @@ class Engine(ABC):
             on_bucket: runs after each bucket landed.
             delta: the buckets come as deltas against the committed copy (`refit_grpc.delta`),
                 which the shim checked is the trainer's base; only where `capabilities.delta`.
+            keep_previous: the epoch is reversible: keep the committed copy (if any) as the
+                previous copy and stage beside it; only where `capabilities.rollback`.
 
         Returns:
             The staged digest of what landed (`refit_grpc.staging.StagedDigest`).
@@ -314,8 +328,25 @@ class Engine(ABC):
 
     def drop_staged(self) -> None:
         """Forget the staged copy (its memory may be kept for the next epoch). Never blocks;
-        a no-op when nothing is staged (by default: an engine that cannot stage)."""
+        a no-op when nothing is staged (by default: an engine that cannot stage). A committed
+        copy a reversible epoch had set aside as the previous one is the committed copy
+        again."""
         return None
+
+    def restore_previous(self, deadline: Deadline) -> tuple[int, str]:
+        """A rollback's first step: make the previous copy (`previous_copy`) the staged copy,
+        which `flip` then loads (at its version) as it loads any staged copy; `drop_staged`
+        instead puts both copies back as they were. The engine keeps serving meanwhile.
+
+        Returns:
+            (version, staged digest) of the copy to flip to.
+
+        Raises:
+            RefitError: no previous copy (NO_PREVIOUS_COPY), or where the engine cannot
+                (by default ROLLBACK_UNSUPPORTED).
+        """
+        raise FailedPreconditionError(f"the {self.kind} engine cannot roll back",
+                                      reason=Reason.ROLLBACK_UNSUPPORTED)
 
     # --- catch-up from a peer (docs/protocol.md, "Catch-up from a peer") ------------------------
     # The engine catching up needs nothing more than staging: the shim joins it to the peer's

@@ -256,6 +256,12 @@ class HttpEngine(Engine):
         # left it. The workers check again: a delta or a serve without one is refused there.
         self._committed: tuple[int, str] | None = None
         self._committed_plan: RefitPlan | None = None
+        # The workers' previous copy (a reversible epoch kept it: what a rollback loads); while
+        # a reversible stage or a rollback waits for its flip, the committed copy it set aside
+        # (given back by a drop), and for a rollback the previous copy it is loading.
+        self._previous: tuple[int, str] | None = None
+        self._set_aside: tuple[tuple[int, str], RefitPlan] | None = None
+        self._restoring: tuple[int, str] | None = None
 
     @classmethod
     def from_options(cls, options: HttpEngineOptions, packing: Packing) -> HttpEngine:
@@ -302,7 +308,7 @@ class HttpEngine(Engine):
         self._check_live(deadline, gen, what)
 
     def _start_stage(self, plan: RefitPlan, deadline: Deadline, timeout_s: float,
-                     delta: bool) -> tuple[list[StageStatus], StagePoll]:
+                     delta: bool, keep_previous: bool) -> tuple[list[StageStatus], StagePoll]:
         """Start every worker's staged receive of `plan` (answered at once: the engine keeps
         serving); every worker's status right after, and how to read them again. Only where
         `capabilities.staging`."""
@@ -324,6 +330,12 @@ class HttpEngine(Engine):
 
     def _cancel_serve(self, deadline: Deadline) -> None:
         """End a serve in flight on the engine's rank-0 worker."""
+
+    def _post_restore_previous(self, deadline: Deadline) -> None:
+        """Make every worker's previous copy its staged copy (a rollback's first step; answered
+        at once). Only where `capabilities.rollback`."""
+        raise FailedPreconditionError(f"the {self.kind} engine cannot roll back",
+                                      reason=Reason.ROLLBACK_UNSUPPORTED)
 
     @abstractmethod
     def weight_version(self, deadline: Deadline | None = None) -> Any:
@@ -482,7 +494,8 @@ class HttpEngine(Engine):
             return self._staging_bytes
 
     def stage(self, plan: RefitPlan, deadline: Deadline,
-              on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
+              on_bucket: Callable[[Bucket], None], delta: bool = False,
+              keep_previous: bool = False) -> str:
         """Start every worker's staged receive (`_start_stage`), then follow them until every
         bucket landed everywhere. The engine is not paused and its weights are not touched;
         every worker stages the whole plan (each TP rank receives every byte, as in place),
@@ -500,9 +513,9 @@ class HttpEngine(Engine):
                                           reason=Reason.DELTA_UNSUPPORTED)
         self._drop.wait(min(deadline.remaining(), self.request_timeout_s))
         gen = self._http.generation
-        self._claim_copy(delta)
+        self._claim_copy(delta, keep_previous)
         timeout_s = worker_timeout(deadline.check("stage"))
-        statuses, poll = self._start_stage(plan, deadline, timeout_s, delta)
+        statuses, poll = self._start_stage(plan, deadline, timeout_s, delta, keep_previous)
         digest = self._await_staged(plan, deadline, on_bucket, gen, statuses, poll)
         with self._lock:
             self._staged = (plan, digest)
@@ -519,10 +532,20 @@ class HttpEngine(Engine):
             raise FailedPreconditionError("flip: nothing is staged on this engine",
                                           reason=Reason.NOT_STAGED)
         plan, digest = staged
-        self._update(plan, deadline, staged_digest=digest, version=version)
-        result = self.finish(version, deadline)
+        try:
+            self._update(plan, deadline, staged_digest=digest, version=version)
+            result = self.finish(version, deadline)
+        except BaseException:
+            with self._lock:  # partly loaded: no copy is trusted
+                self._previous = self._set_aside = self._restoring = None
+            raise
         with self._lock:  # the copy it loaded: from here the committed copy
             self._committed, self._committed_plan = (version, digest), plan
+            # A reversible stage's set-aside copy is now the previous one; a rollback keeps
+            # none (the version it left is not one to go back to).
+            kept = self._set_aside
+            self._previous = kept[0] if kept is not None and self._restoring is None else None
+            self._set_aside = self._restoring = None
         return result
 
     def drop_staged(self) -> None:
@@ -530,7 +553,31 @@ class HttpEngine(Engine):
         background thread: never blocks; the next stage waits for it)."""
         with self._lock:
             self._staged = None
+            if self._set_aside is not None:  # the workers give their committed copies back
+                (self._committed, self._committed_plan), self._set_aside = self._set_aside, None
+                self._previous, self._restoring = self._restoring, None
         self._drop.start(f"{self.kind}-drop_staged")
+
+    @property
+    def previous_copy(self) -> tuple[int, str] | None:
+        with self._lock:
+            return self._previous
+
+    def restore_previous(self, deadline: Deadline) -> tuple[int, str]:
+        """Every worker makes its previous copy the staged copy (`_post_restore_previous`);
+        `flip` then loads it through the workers' loader as any staged copy."""
+        with self._lock:
+            previous, committed, plan = self._previous, self._committed, self._committed_plan
+        if previous is None or committed is None or plan is None:
+            raise FailedPreconditionError("no previous copy to roll back to",
+                                          reason=Reason.NO_PREVIOUS_COPY)
+        self._drop.wait(min(deadline.remaining(), self.request_timeout_s))
+        self._post_restore_previous(deadline)
+        with self._lock:
+            self._staged = (plan, previous[1])
+            self._set_aside, self._restoring = (committed, plan), previous
+            self._committed = self._committed_plan = self._previous = None
+        return previous
 
     # --- the committed copy: delta epochs and catch-up ------------------------------------
 
@@ -539,19 +586,25 @@ class HttpEngine(Engine):
         with self._lock:
             return self._committed
 
-    def _claim_copy(self, delta: bool) -> None:
+    def _claim_copy(self, delta: bool, keep_previous: bool = False) -> None:
         """A stage is about to overwrite the workers' copy (a delta: apply onto it, which
-        needs a committed copy); it is no longer the committed copy from here."""
+        needs a committed copy), or with `keep_previous` to set it aside as the previous copy;
+        it is no longer the committed copy from here."""
         with self._lock:
             self._staged = None
             if delta and self._committed is None:
                 raise FailedPreconditionError("no committed copy to apply a delta to",
                                               reason=Reason.DELTA_BASE_MISMATCH)
-            self._committed = self._committed_plan = None
+            kept = self._committed
+            self._set_aside = (kept, self._committed_plan) \
+                if keep_previous and kept is not None and self._committed_plan is not None \
+                else None
+            self._committed = self._committed_plan = self._previous = self._restoring = None
 
     def _forget_committed(self) -> None:
         with self._lock:
             self._committed = self._committed_plan = None
+            self._previous = self._set_aside = self._restoring = None
 
     def serve_copy(self, spec: GroupSpec, store: Any, deadline: Deadline,
                    on_bucket: Callable[[Bucket], None] | None = None) -> None:

@@ -237,7 +237,7 @@ class ReferenceEngine(Engine):
     def capabilities(self) -> Capabilities:
         """Everything; a canary only with a model (store mode computes no log-probabilities)."""
         return Capabilities(canary=self._model is not None, staging=True, delta=True,
-                            serving_copy=True)
+                            serving_copy=True, rollback=True)
 
     def canary_logprobs(self, token_ids: Sequence[int], deadline: Deadline) -> list[float]:
         """One forward of the model over the whole sequence; the pause gate is not entered:
@@ -354,11 +354,16 @@ class ReferenceEngine(Engine):
         version, digest = self._staging.live_version, self._staging.digest
         return (version, digest) if version and digest else None
 
+    @property
+    def previous_copy(self) -> tuple[int, str] | None:
+        return self._staging.previous
+
     def stage(self, plan: RefitPlan, deadline: Deadline,
-              on_bucket: Callable[[Bucket], None], delta: bool = False) -> str:
+              on_bucket: Callable[[Bucket], None], delta: bool = False,
+              keep_previous: bool = False) -> str:
         """Every bucket lands in place in the staging copy (a delta: applied onto it, the
-        committed copy); generation goes on (the pause gate is not touched, nor the live
-        weights)."""
+        committed copy, or with `keep_previous` onto a copy of it beside it); generation goes
+        on (the pause gate is not touched, nor the live weights)."""
         with self._lock:
             group = self._group
             if group is None or group.closed:
@@ -368,7 +373,7 @@ class ReferenceEngine(Engine):
                 raise FailedPreconditionError("no committed copy to apply a delta to",
                                               reason=Reason.DELTA_BASE_MISMATCH)
             # Keeps the bytes of the same plan (a delta's base); marks the copy incomplete.
-            self._staging.allocate(plan)
+            self._staging.allocate(plan, keep_previous=keep_previous, delta=delta)
         digest = StagedDigest(plan)
 
         def landed(bucket: Bucket) -> None:
@@ -421,6 +426,13 @@ class ReferenceEngine(Engine):
 
     def drop_staged(self) -> None:
         self._staging.drop_pending()  # a committed copy stays: the base, what catch-ups read
+
+    def restore_previous(self, deadline: Deadline) -> tuple[int, str]:
+        deadline.check("restore_previous")
+        try:
+            return self._staging.restore_previous()
+        except ValueError as e:
+            raise FailedPreconditionError(str(e), reason=Reason.NO_PREVIOUS_COPY) from None
 
     # --- catch-up: serving the committed copy to a peer ---------------------------------------
 

@@ -167,7 +167,7 @@ class DynamoEngine(HttpEngine):
         (gloo only, which init_transfer enforces). No canary (Dynamo's frontend is not this
         shim's to reach). The workers keep the copy a flip loaded as their committed copy:
         delta epochs apply onto it and catch-ups are served from it."""
-        return Capabilities(staging=True, delta=True, serving_copy=True)
+        return Capabilities(staging=True, delta=True, serving_copy=True, rollback=True)
 
     @property
     def world_size(self) -> int:
@@ -260,7 +260,7 @@ class DynamoEngine(HttpEngine):
     # --- staged epochs (docs/dynamo.md, Staged epochs) -------------------------------------
 
     def _start_stage(self, plan: RefitPlan, deadline: Deadline, timeout_s: float,
-                     delta: bool) -> tuple[list[StageStatus], StagePoll]:
+                     delta: bool, keep_previous: bool) -> tuple[list[StageStatus], StagePoll]:
         """update_weights_from_distributed with the extension's `refit_grpc_stage` and
         `allow_unpaused` (the call answers at once); the workers' statuses are then read from
         the trainer's TCPStore, where they publish them.
@@ -276,7 +276,8 @@ class DynamoEngine(HttpEngine):
         status_key = f"refit_grpc/{group.group_id}/staged/{uuid.uuid4().hex}"
         try:
             self._post(routes.UPDATE_DISTRIBUTED,
-                       routes.stage_body(plan, timeout_s, status_key, delta), deadline)
+                       routes.stage_body(plan, timeout_s, status_key, delta, keep_previous),
+                       deadline)
         except FailedPreconditionError as e:
             if "has no attribute" in e.message and routes.STAGE_RPC in e.message:
                 raise FailedPreconditionError(
@@ -329,6 +330,9 @@ class DynamoEngine(HttpEngine):
 
     def _cancel_serve(self, deadline: Deadline) -> None:
         self._post(routes.UPDATE_DISTRIBUTED, routes.cancel_serve_body(), deadline)
+
+    def _post_restore_previous(self, deadline: Deadline) -> None:
+        self._post(routes.UPDATE_DISTRIBUTED, routes.restore_body(), deadline)
 
     # --- extras for trainers, tests and the demo -------------------------------------------
 

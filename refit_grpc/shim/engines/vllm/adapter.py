@@ -85,6 +85,7 @@ from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire.vllm import (
     STAGE_OP_CANCEL_SERVE,
     STAGE_OP_DROP,
+    STAGE_OP_RESTORE,
     STAGE_OP_SERVE,
     STAGE_OP_START,
     STAGE_OP_STATUS,
@@ -133,7 +134,8 @@ class VLLMEngine(HttpEngine):
         their committed copy: delta epochs apply onto it and catch-ups are served from it."""
         with self._lock:
             gloo = self._backend == "gloo"
-        return Capabilities(canary=True, staging=gloo, delta=gloo, serving_copy=gloo)
+        return Capabilities(canary=True, staging=gloo, delta=gloo, serving_copy=gloo,
+                            rollback=gloo)
 
     @property
     def world_size(self) -> int:
@@ -281,12 +283,14 @@ class VLLMEngine(HttpEngine):
     # --- staged epochs ---------------------------------------------------------------------
 
     def _start_stage(self, plan: RefitPlan, deadline: Deadline, timeout_s: float,
-                     delta: bool) -> tuple[list[StageStatus], StagePoll]:
+                     delta: bool, keep_previous: bool) -> tuple[list[StageStatus], StagePoll]:
         """POST /collective_rpc "stage": every worker starts its receive into its staged copy
         and answers at once; the poll is the same route with "stage_status"."""
         update = update_info_for(plan, "gloo", timeout_s)
         if delta:
             update["delta"] = True  # applied onto each worker's committed copy
+        if keep_previous:
+            update["reversible"] = True  # each worker keeps its committed copy as previous
         return (self._stage_rpc(STAGE_OP_START, deadline, update),
                 lambda d: self._stage_rpc(STAGE_OP_STATUS, d))
 
@@ -302,6 +306,9 @@ class VLLMEngine(HttpEngine):
 
     def _cancel_serve(self, deadline: Deadline) -> None:
         self._stage_rpc(STAGE_OP_CANCEL_SERVE, deadline)
+
+    def _post_restore_previous(self, deadline: Deadline) -> None:
+        self._stage_rpc(STAGE_OP_RESTORE, deadline)
 
     def _stage_rpc(self, op: str, deadline: Deadline,
                    update: dict[str, Any] | None = None) -> list[StageStatus]:
