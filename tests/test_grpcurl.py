@@ -135,6 +135,7 @@ def test_every_readme_grpcurl_line_is_run_here():
                readme_line("RefitService/UpdateWeights"), readme_line("RefitService/Abort"),
                readme_line("RefitService/Flip"), readme_line("RefitService/ServeCatchUp"),
                readme_line("RefitService/CatchUp", "master_port"),
+               readme_line("RefitService/Rollback"),
                readme_line("Health/Check"), readme_line("-cacert", "RefitService/Describe")]
     assert sorted(covered) == sorted(readme_grpcurl_lines())
 
@@ -200,7 +201,7 @@ def test_a_catch_up_driven_with_the_readme_lines(tmp_path):
     version, byte for byte."""
     import torch
 
-    from refit_grpc import Fleet, Packing, WorkerEndpoint
+    from refit_grpc import Fleet, Packing, Staged, WorkerEndpoint
     from refit_grpc.plan import weights_digest
 
     peer = spawn_shim("--model", "none", "--instance-id", "w0")
@@ -212,8 +213,8 @@ def test_a_catch_up_driven_with_the_readme_lines(tmp_path):
         with Fleet([WorkerEndpoint("w0", peer.address)], packing=Packing(1 << 16, 2)) as fleet:
             fleet.prepare(shape)
             link = fleet.connect("127.0.0.1")
-            fleet.refit(link, tensors, version=1, mode="staged")
-            fleet.refit(link, tensors, version=2, mode="staged")
+            fleet.refit(link, tensors, version=1, epoch=Staged())
+            fleet.refit(link, tensors, version=2, epoch=Staged())
             link.close()
         with Fleet([WorkerEndpoint("w3", newcomer.address)], packing=Packing(1 << 16, 2)) as f:
             f.prepare(shape)
@@ -252,6 +253,41 @@ def test_a_catch_up_driven_with_the_readme_lines(tmp_path):
             serve.wait(10)
         peer.stop()
         newcomer.stop()
+
+
+def test_a_rollback_driven_with_the_readme_line():
+    """The README's Rollback line on an engine that served 2 and flipped to 3: it serves 2 again,
+    byte for byte; the same line once more is refused (it no longer serves 3)."""
+    import torch
+
+    from refit_grpc import Fleet, Packing, Staged, WorkerEndpoint
+    from refit_grpc.plan import weights_digest
+
+    shim = spawn_shim("--model", "none", "--instance-id", "w0")
+    try:
+        versions = {v: {"w": torch.randn(64, 256), "b": torch.randn(33).to(torch.bfloat16)}
+                    for v in (2, 3)}
+        shape = {n: (t.shape, t.dtype) for n, t in versions[2].items()}
+        with Fleet([WorkerEndpoint("w0", shim.address)], packing=Packing(1 << 16, 2)) as fleet:
+            fleet.prepare(shape)
+            link = fleet.connect("127.0.0.1")
+            for version, tensors in versions.items():
+                fleet.refit(link, tensors, version=version, epoch=Staged())
+            link.close()
+        d = describe(shim.address)
+        assert (d.weight_version, d.previous_copy_version) == (3, 2)
+        out = run(readme_line("RefitService/Rollback"), shim.address)
+        assert out.returncode == 0, out.stdout + out.stderr
+        reply = json.loads(out.stdout)
+        assert (reply["version"], reply["rolled_back_from"], reply["resumed"]) == ("2", "3", True)
+        d = describe(shim.address)
+        assert (d.weight_version, d.weights_digest) == (2, weights_digest(versions[2].items()))
+        again = run(readme_line("RefitService/Rollback"), shim.address)
+        text = again.stdout + again.stderr
+        assert again.returncode == EXIT_FAILED_PRECONDITION, text
+        assert error_info_reason(text) == "ROLLBACK_VERSION_MISMATCH", text
+    finally:
+        shim.stop()
 
 
 def test_abort(plain):

@@ -13,6 +13,8 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from refit_grpc.cli.fleet import add_fleet_parser
 from refit_grpc.cli.security import add_security_flags, security_from_args
@@ -135,11 +137,18 @@ def link_gbit(text: str) -> float:
     return rate
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="refit-grpc", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_shim_parser(sub)
+    _add_client_parsers(sub)
+    add_fleet_parser(sub, _fleet)
+    _add_bench_parsers(sub)
+    return parser
 
+
+def _add_shim_parser(sub: Any) -> None:
     shim = sub.add_parser("shim", help="serve RefitService next to one engine")
     shim.add_argument("--engine", default="reference", help="reference, vllm or dynamo")
     shim.add_argument("--address", default="127.0.0.1:50051",
@@ -175,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                            "alone binds loopback; beyond loopback needs --insecure-listen)")
     shim.set_defaults(func=_shim)
 
+
+def _add_client_parsers(sub: Any) -> None:
     demo = sub.add_parser("demo", help="train a tiny LM and refit a local fleet every step")
     demo.add_argument("--workers", type=int, default=3)
     demo.add_argument("--steps", type=int, default=5)
@@ -196,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     add_security_flags(check)
     check.set_defaults(func=_health)
 
-    add_fleet_parser(sub, _fleet)
 
+def _add_bench_parsers(sub: Any) -> None:
     bench = sub.add_parser("bench", help="refit_grpc against the wire floor, the per-tensor "
                                          "refit and the HTTP-JSON way, side by side")
     bench.add_argument("--world", type=int, action="append",
@@ -242,37 +253,42 @@ def main(argv: list[str] | None = None) -> int:
                             "counted, no figure: that it runs (vLLM's start is most of it)")
     stall.set_defaults(func=_bench_stall)
 
-    delta = sub.add_parser("bench-delta", help="delta epochs against full ones (staged, the "
-                                               "reference engine), side by side")
+    delta = _plan_bench(sub, "bench-delta", "delta epochs against full ones (staged, the "
+                        "reference engine), side by side", reps="epochs per fraction and mode",
+                        quick="one rep of 1%% changed", func=_bench_delta)
     delta.add_argument("--world", type=int, default=2, help="trainer + receivers, per fleet")
-    delta.add_argument("--total-mb", type=float, default=None,
-                       help="the bf16 plan's size (default 1024, halved until it fits)")
-    delta.add_argument("--reps", type=int, default=3, help="epochs per fraction and mode")
     delta.add_argument("--fractions", default="0.001,0.01,0.1,1",
                        help="fractions of the elements each version changes")
-    delta.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
     delta.add_argument("--lr", type=float, default=1e-6,
                        help="the SGD step whose changed fraction is measured (and added)")
     delta.add_argument("--link-gbit", type=link_gbit, default=None, metavar="RATE",
                        help="each engine in its own network namespace behind a link limited to "
                             "RATE Gbit/s each way (tc; needs root); default: loopback")
-    delta.add_argument("--quick", action="store_true",
-                       help="an 8 MB plan (unless --total-mb), 1 MiB buckets, one rep of 1%% "
-                            "changed: that it runs, in seconds")
-    delta.set_defaults(func=_bench_delta)
 
-    catch_up = sub.add_parser("bench-catch-up", help="an engine joining by catch-up from a peer "
-                                                      "against by the trainer's epoch")
+    catch_up = _plan_bench(sub, "bench-catch-up", "an engine joining by catch-up from a peer "
+                           "against by the trainer's epoch", reps="joins of each way",
+                           quick="one rep", func=_bench_catch_up)
     catch_up.add_argument("--peers", type=int, default=2, help="members holding the version")
-    catch_up.add_argument("--total-mb", type=float, default=None,
-                          help="the bf16 plan's size (default 1024, halved until it fits)")
-    catch_up.add_argument("--reps", type=int, default=3)
-    catch_up.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
-    catch_up.add_argument("--quick", action="store_true",
-                          help="an 8 MB plan (unless --total-mb), 1 MiB buckets, one rep: that "
-                               "it runs, in seconds")
-    catch_up.set_defaults(func=_bench_catch_up)
 
+
+def _plan_bench(sub: Any, name: str, help: str, reps: str, quick: str,
+                func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """A bench on a bf16 plan, with the flags those benches share: the plan's size, reps (3),
+    the bucket size and --quick (an 8 MB plan, 1 MiB buckets, `quick`)."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help)
+    parser.add_argument("--total-mb", type=float, default=None,
+                        help="the bf16 plan's size (default 1024, halved until it fits)")
+    parser.add_argument("--reps", type=int, default=3, help=reps)
+    parser.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"an 8 MB plan (unless --total-mb), 1 MiB buckets, {quick}: that it "
+                             "runs, in seconds")
+    parser.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is _bench and not args.world:
         args.world = [2]

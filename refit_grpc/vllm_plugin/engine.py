@@ -28,6 +28,7 @@ model. With A == 0 the rollback restored every layer, so the weights are the old
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,17 +47,9 @@ from refit_grpc.vllm_plugin.layerwise import (  # noqa: F401  (TiedRoutes: re-ex
     tied_heads,
     worker_rank,
 )
-from refit_grpc.wire.vllm import (
-    STAGE_OP_CANCEL_SERVE,
-    STAGE_OP_DROP,
-    STAGE_OP_RESTORE,
-    STAGE_OP_SERVE,
-    STAGE_OP_START,
-    STAGE_OP_STATUS,
-    GlooInitInfo,
-    GlooUpdateInfo,
-)
-from refit_grpc.wire.worker import ServeInfo
+from refit_grpc.wire import vllm as wire_vllm
+from refit_grpc.wire.vllm import GlooInitInfo, GlooUpdateInfo
+from refit_grpc.wire.worker import ServeInfo, StageStatus
 
 
 @dataclass(kw_only=True)
@@ -141,22 +134,21 @@ class RefitGlooWeightTransferEngine(
         Returns:
             This worker's `refit_grpc.wire.vllm.StageStatus`, as a dict.
         """
-        if op == STAGE_OP_START:
-            status = self.receiver.stage(self.parse_update_info(json.loads(payload or "{}")))
-        elif op == STAGE_OP_STATUS:
-            status = self.receiver.staged.status()
-        elif op == STAGE_OP_DROP:
-            status = self.receiver.staged.drop()
-        elif op == STAGE_OP_SERVE:
-            info = ServeInfo(**json.loads(payload or "{}"))
-            status = self.receiver.serve(info, self.worker_rank(0))
-        elif op == STAGE_OP_CANCEL_SERVE:
-            status = self.receiver.staged.cancel_serve()
-        elif op == STAGE_OP_RESTORE:
-            status = self.receiver.staged.restore_previous()
-        else:
+        receiver, staged = self.receiver, self.receiver.staged
+        operations: dict[str, Callable[[], StageStatus]] = {
+            wire_vllm.STAGE_OP_START: lambda: receiver.stage(
+                self.parse_update_info(json.loads(payload or "{}"))),
+            wire_vllm.STAGE_OP_STATUS: staged.status,
+            wire_vllm.STAGE_OP_DROP: staged.drop,
+            wire_vllm.STAGE_OP_SERVE: lambda: receiver.serve(
+                ServeInfo(**json.loads(payload or "{}")), self.worker_rank(0)),
+            wire_vllm.STAGE_OP_CANCEL_SERVE: staged.cancel_serve,
+            wire_vllm.STAGE_OP_RESTORE: staged.restore_previous,
+        }
+        operation = operations.get(op)
+        if operation is None:
             raise ValueError(f"refit_grpc gloo: unknown operation {op!r}")
-        return status.to_wire()
+        return operation().to_wire()
 
 
 __all__ = ["RefitGlooInitInfo", "RefitGlooUpdateInfo", "RefitGlooWeightTransferEngine",

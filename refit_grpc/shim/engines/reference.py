@@ -12,6 +12,7 @@ tiny LM's initial weights; `--seed`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -56,23 +57,35 @@ class _PauseGate:
         self._stepping = 0  # requests inside a forward step right now
         self._abort_generation = 0
 
-    def admit(self, deadline: Deadline) -> int:
+    def _wait(self, deadline: Deadline, what: str) -> None:
+        """One bounded wait on the gate (the caller holds `_cond`): at most 50 ms, never past
+        `deadline`, whose check raises with `what` once it has passed."""
+        self._cond.wait(min(0.05, max(deadline.check(what), 0.0)))
+
+    @contextlib.contextmanager
+    def request(self, deadline: Deadline) -> Iterator[int]:
+        """One request's admission: waits while paused; yields its ticket (the abort
+        generation it was admitted in); counts it until it ends."""
         with self._cond:
             while self.paused:
-                self._cond.wait(min(0.05, max(deadline.check("waiting for resume"), 0.0)))
+                self._wait(deadline, "waiting for resume")
             self._requests += 1
-            return self._abort_generation
+            ticket = self._abort_generation
+        try:
+            yield ticket
+        finally:
+            with self._cond:
+                self._requests -= 1
+                self._cond.notify_all()
 
     @property
     def requests(self) -> int:
         return self._requests
 
-    def leave(self) -> None:
-        with self._cond:
-            self._requests -= 1
-            self._cond.notify_all()
-
-    def enter_step(self, ticket: int, deadline: Deadline) -> None:
+    @contextlib.contextmanager
+    def step(self, ticket: int, deadline: Deadline) -> Iterator[None]:
+        """One forward step of an admitted request: parked while paused, failed once a
+        pause(mode=abort) came after its admission; weights do not change while it runs."""
         with self._cond:
             while True:
                 if ticket != self._abort_generation:
@@ -80,26 +93,27 @@ class _PauseGate:
                                             reason=Reason.REQUEST_ABORTED)
                 if not self.paused:
                     break
-                self._cond.wait(min(0.05, max(deadline.check("paused mid-request"), 0.0)))
+                self._wait(deadline, "paused mid-request")
             self._stepping += 1
-
-    def exit_step(self) -> None:
-        with self._cond:
-            self._stepping -= 1
-            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._stepping -= 1
+                self._cond.notify_all()
 
     def pause(self, mode: PauseMode, deadline: Deadline) -> None:
         with self._cond:
             if mode is PauseMode.WAIT:
                 while self._requests:
-                    self._cond.wait(min(0.05, max(deadline.check("draining requests"), 0.0)))
+                    self._wait(deadline, "draining requests")
             self.paused = True
             if mode is PauseMode.ABORT:
                 self._abort_generation += 1
             self._cond.notify_all()
             # Weights may change once no step is running; parked requests hold no step.
             while self._stepping:
-                self._cond.wait(min(0.05, max(deadline.check("stopping steps"), 0.0)))
+                self._wait(deadline, "stopping steps")
 
     def resume(self) -> None:
         with self._cond:
@@ -210,12 +224,10 @@ class ReferenceEngine(Engine):
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidArgumentError(f"prompt tokens must be in [0, {vocab})",
                                        reason=Reason.INVALID_PROMPT_TOKEN)
-        ticket = self._gate.admit(deadline)
-        try:
+        with self._gate.request(deadline) as ticket:
             tokens, cached = list(prompt), False
             for i in range(max_new_tokens):
-                self._gate.enter_step(ticket, deadline)
-                try:
+                with self._gate.step(ticket, deadline):
                     key = tuple(tokens)
                     with self._cache_lock:
                         hit = self._prefix_cache.get(key) if i == 0 else None
@@ -226,12 +238,8 @@ class ReferenceEngine(Engine):
                         if i == 0:
                             with self._cache_lock:
                                 self._prefix_cache[key] = nxt
-                finally:
-                    self._gate.exit_step()
                 tokens.append(nxt)
             return tokens[len(prompt):], cached
-        finally:
-            self._gate.leave()
 
     @property
     def capabilities(self) -> Capabilities:
