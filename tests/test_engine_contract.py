@@ -438,7 +438,8 @@ def test_a_catch_up_lands_a_peers_committed_copy_and_the_flip_loads_it(subject):
 
 
 def stage_and_flip(engine: Engine, plan: RefitPlan, weights: dict[str, torch.Tensor],
-                   version: int, base: torch.Tensor | None = None) -> str:
+                   version: int, base: torch.Tensor | None = None,
+                   keep_previous: bool = False) -> str:
     """A staged epoch of `weights` into `engine` (a delta against `base`, the sender's last
     version in plan layout, when given; updated in place), flipped at `version` and resumed;
     returns the staged digest, which is the trainer's."""
@@ -448,7 +449,8 @@ def stage_and_flip(engine: Engine, plan: RefitPlan, weights: dict[str, torch.Ten
         def stage() -> None:
             try:
                 box["digest"] = engine.stage(plan, Deadline(EPOCH_S), lambda b: None,
-                                             delta=base is not None)
+                                             delta=base is not None,
+                                             keep_previous=keep_previous)
             except BaseException as e:  # noqa: BLE001  (asserted below)
                 box["error"] = e
 
@@ -511,6 +513,49 @@ def test_a_delta_epoch_applies_onto_the_committed_copy(subject):
     assert new_digest != old_digest
     assert engine.committed_copy == (new_version, new_digest)
     subject.holds(plan, new, new_version)
+
+
+def test_a_flip_rolls_back_to_the_previous_copy(subject):
+    """A reversible stage (`keep_previous=True`) keeps the committed copy as the previous copy
+    (`previous_copy`); `restore_previous` makes it the staged copy and a flip loads it at its
+    version: the engine serves the old weights again, its committed copy is the old one, and
+    no copy is kept before it (one step back). A drop between the two gives both copies back.
+    A delta epoch applies beside the kept copy, not onto it."""
+    engine, plan = subject.engine, subject.plan()
+    if not engine.capabilities.staging:
+        pytest.skip(f"the {engine.kind} engine cannot stage (STAGING_UNSUPPORTED, checked above)")
+    assert engine.capabilities.rollback
+    old = perturbed(subject.base, seed=13)
+    old_version = next(_versions)
+    old_digest = stage_and_flip(engine, plan, old, old_version)
+    assert engine.previous_copy is None  # not reversible: nothing kept
+    new = {n: t.clone() for n, t in old.items()}
+    for t in new.values():
+        if t.is_floating_point():
+            t.view(-1)[::89] -= 0.25
+    new_version = next(_versions)
+    new_digest = stage_and_flip(engine, plan, new, new_version, base=flat_copy(plan, old),
+                                keep_previous=True)
+    assert engine.committed_copy == (new_version, new_digest)
+    assert engine.previous_copy == (old_version, old_digest)
+    subject.holds(plan, new, new_version)
+
+    assert engine.restore_previous(Deadline(STEP_S)) == (old_version, old_digest)
+    engine.drop_staged()  # the rollback never flips: both copies are back
+    assert engine.committed_copy == (new_version, new_digest)
+    assert engine.previous_copy == (old_version, old_digest)
+
+    assert engine.restore_previous(Deadline(STEP_S)) == (old_version, old_digest)
+    engine.pause(PauseMode.KEEP, Deadline(STEP_S))
+    engine.flip(old_version, Deadline(EPOCH_S))
+    assert engine.reset_cache(Deadline(STEP_S))
+    engine.resume(Deadline(STEP_S))
+    assert engine.committed_copy == (old_version, old_digest)
+    assert engine.previous_copy is None
+    subject.holds(plan, old, old_version)
+    with pytest.raises(RefitError) as refused:
+        engine.restore_previous(Deadline(STEP_S))
+    assert refused.value.reason == Reason.NO_PREVIOUS_COPY, refused.value
 
 
 def test_the_committed_copy_serves_a_catch_up(subject):
