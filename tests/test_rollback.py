@@ -10,6 +10,7 @@ one the good version had, and Describe (version, committed copy, not paused)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -25,6 +26,7 @@ from refit_grpc.driver.rollback import RollbackError
 from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.reasons import Reason
+from refit_grpc.shim.engines.reference import ReferenceEngine
 
 from support import connected, endpoints
 
@@ -207,4 +209,110 @@ def test_a_rollback_that_does_not_apply_is_refused_typed_and_moves_nothing(shims
             fleet.rollback()
         assert refused.value.reasons == {Reason.NO_PREVIOUS_COPY}
         assert sorted(refused.value.workers) == ["rb0", "rb1", "rb2"]
+        link.close()
+
+
+class _KillBeforeTheChecks(Checks):
+    """The epoch's checks, after `victim` (a shim process) is killed with SIGKILL: it died
+    after its flip, before the rollback reaches it."""
+
+    def __init__(self, canary: Canary, victim) -> None:
+        super().__init__(canary=canary)
+        object.__setattr__(self, "victim", victim)
+
+    def run(self, version, committed, links) -> None:
+        self.victim.signal(signal.SIGKILL)
+        self.victim.stop()  # reaps it
+        super().run(version, committed, links)
+
+
+def test_an_engine_killed_after_its_flip_is_left_behind_while_the_others_roll_back(shims):
+    """Issue 23's fault: the canary rejects version 3 after the flip, and one engine died
+    meanwhile. The survivors are back on 2 and resumed; the dead one is named in the rollback
+    report and left behind; the next epoch goes on with the survivors."""
+    torch.manual_seed(14)
+    model = TinyLM(TinyLMConfig()).eval()
+    with Fleet(endpoints(shims), epoch_timeout_s=60) as fleet:
+        link = connected(fleet, trained(model, 1))
+        for version in (1, 2):
+            fleet.refit(link, trained(model, version), version=version, epoch=Staged())
+        at_v2 = {d.instance_id: d.weights_digest for d in serving(fleet)}
+        with pytest.raises(CanaryMismatchError) as caught:
+            fleet.refit(link, corrupted(trained(model, 3)), version=3, epoch=Staged(),
+                        checks=_KillBeforeTheChecks(canary_of(model), shims[2]))
+        rollback = caught.value.rollback
+        assert rollback is not None and not rollback.complete, rollback
+        assert sorted(rollback.workers) == ["rb0", "rb1"], rollback
+        assert [f.instance_id for f in rollback.failed] == ["rb2"], rollback
+        assert rollback.failed[0].code in (grpc.StatusCode.UNAVAILABLE,
+                                           grpc.StatusCode.DEADLINE_EXCEEDED), rollback.failed
+        assert "rb2" in str(caught.value), caught.value  # the note names the one not rolled back
+        assert set(fleet.left_behind) == {"rb2"}, fleet.left_behind
+        for d in fleet.describe_each(weights_digest=True)[:2]:
+            assert isinstance(d, pb.DescribeResponse), d
+            assert (d.weight_version, d.paused, d.weights_digest) == \
+                (2, False, at_v2[d.instance_id]), d
+
+        v4 = trained(model, 4)
+        report = fleet.refit(link, v4, version=4, epoch=Staged(),
+                             checks=Checks(canary=canary_of(model)))
+        assert sorted(w.instance_id for w in report.workers) == ["rb0", "rb1"], report
+        assert all(w.canary_gap <= FP32_TOLERANCE for w in report.workers), report
+        link.close()
+
+
+class _MisloadingEngine(ReferenceEngine):
+    """A reference engine whose loader is wrong at one version: the bytes staged are the
+    trainer's (the staged digest matches), the weights it serves after the flip are not."""
+
+    def __init__(self, bad_version: int) -> None:
+        super().__init__()
+        self.bad_version = bad_version
+
+    def flip(self, version: int, deadline) -> str:
+        digest = super().flip(version, deadline)
+        if version == self.bad_version:
+            with torch.no_grad():  # noise, not a shift (a LayerNorm would remove a shift)
+                weight = dict(self._model.named_parameters())["blocks.0.mlp.0.weight"]
+                weight.add_(0.05 * torch.randn(weight.shape))
+        return digest
+
+
+def test_one_engine_of_three_failing_the_canary_with_a_quorum_met_goes_back_alone(shim):
+    """Issue 23's fault: `Staged(min_engines=2)`, and one engine's load of version 3 is wrong.
+    Two engines passed the canary, so the version is right: the fleet serves 3 on those two,
+    the one that failed is rolled back to 2, resumed there and left behind, and the epoch's
+    report says so. The whole fleet goes back only when fewer than `min_engines` pass."""
+    torch.manual_seed(15)
+    model = TinyLM(TinyLMConfig()).eval()
+    shims = [shim(), shim(), shim(_MisloadingEngine(bad_version=3))]
+    names = [WorkerEndpoint(f"q{i}", s.address) for i, s in enumerate(shims)]
+    with Fleet(names, epoch_timeout_s=60) as fleet:
+        link = connected(fleet, trained(model, 1))
+        for version in (1, 2):
+            fleet.refit(link, trained(model, version), version=version, epoch=Staged())
+        v2_digest = serving(fleet)[2].weights_digest
+        v3 = trained(model, 3)
+        report = fleet.refit(link, v3, version=3, epoch=Staged(min_engines=2),
+                             checks=Checks(canary=canary_of(model)))
+        assert sorted(w.instance_id for w in report.workers) == ["q0", "q1"], report
+        assert all(w.canary_gap <= FP32_TOLERANCE for w in report.workers), report
+        assert [(f.instance_id, f.reason) for f in report.left_behind] == \
+            [("q2", Reason.CANARY_MISMATCH)], report.left_behind
+        assert report.rollback is not None and report.rollback.workers == ("q2",), report
+        assert (report.rollback.version, report.rollback.rolled_back_from) == (2, 3)
+        described = serving(fleet)
+        assert [(d.weight_version, d.paused) for d in described] == \
+            [(3, False), (3, False), (2, False)], described
+        assert described[2].weights_digest == v2_digest  # back on the good version's bytes
+        assert described[0].weights_digest == described[1].weights_digest  # the v3 bytes
+        assert set(fleet.left_behind) == {"q2"}
+
+        # Its fault was at 3 only: readmitted, it takes part in the next epoch (a full one
+        # for it) and passes the canary with the others.
+        fleet.readmit("q2")
+        report = fleet.refit(link, trained(model, 4), version=4, epoch=Staged(min_engines=2),
+                             checks=Checks(canary=canary_of(model)))
+        assert sorted(w.instance_id for w in report.workers) == ["q0", "q1", "q2"], report
+        assert report.rollback is None and not report.left_behind, report
         link.close()

@@ -51,6 +51,8 @@ class EpochReport:
         reforms: staged: how many times the group was formed again without failed engines.
         delta: staged: whether the buckets went as deltas.
         wire_bytes: staged: the bytes that crossed, every round.
+        rollback: staged, reversible: the engines that failed the checks while a quorum
+            passed them, rolled back to the previous version (they are also `left_behind`).
     """
 
     version: int
@@ -63,6 +65,7 @@ class EpochReport:
     reforms: int = 0
     delta: bool = False   # sent as deltas (refit(delta=True) against a matching base)
     wire_bytes: int = 0   # staged: bytes on the wire over every round (headers included)
+    rollback: RollbackReport | None = None
 
     @property
     def stall_seconds(self) -> float | None:

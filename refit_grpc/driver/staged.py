@@ -283,12 +283,30 @@ class StagedRound(RoundParts):
         shims = links(list(flipped))
         as_committed = [pb.UpdateWeightsResponse(weights_digest=a.weights_digest,
                                                  canary=a.canary) for a in flipped.values()]
+        rollback = None
         try:
             checks.run(version, as_committed, shims)
         except (CanaryMismatchError, WeightsMismatchError) as e:
+            failed_checks = {f.instance_id: f for f in e.failures}
+            rejected = {m: failed_checks[m.instance_id] for m in flipped
+                        if m.instance_id in failed_checks}
+            if not rejected or len(flipped) - len(rejected) < required:
+                # The version itself is suspect (or too few engines are right): all go back.
+                if reversible:
+                    self._roll_back_after(e, version, flipped, run.staged_as, pause_mode)
+                raise
+            # A quorum passed the checks: the version is right and the engines that failed
+            # them are at fault. They go back to the previous version (or, without a copy to go
+            # back to, stay held paused) and are left behind; the others serve the version.
             if reversible:
-                self._roll_back_after(e, version, flipped, run.staged_as, pause_mode)
-            raise
+                rollback = self._roll_back_minority(version, run.digest, rejected, flipped,
+                                                    run.staged_as, pause_mode)
+            log.warning("epoch %d: %d engines failed the checks and are left behind (%s); %d "
+                        "serve it", version, len(rejected), e, len(flipped) - len(rejected))
+            behind.update(rejected)
+            self.membership.leave_behind(rejected)
+            flipped = {m: a for m, a in flipped.items() if m not in rejected}
+            shims = links(list(flipped))
         if checks.any:
             # Held paused by the flip until every engine was checked: now all serve at once.
             self.calls.flush(shims, pause_mode, "resume after the flip failed")
@@ -301,15 +319,42 @@ class StagedRound(RoundParts):
                 a.weights_digest, canary.gap(a.canary) if canary else None,
                 a.canary.seconds if canary else None, stall_seconds=a.stall_seconds,
                 load_seconds=a.load_seconds) for m, a in flipped.items()),
-            mode=EpochMode.STAGED, left_behind=tuple(behind.values()), reforms=run.reforms)
+            mode=EpochMode.STAGED, left_behind=tuple(behind.values()), reforms=run.reforms,
+            rollback=rollback)
 
     def _roll_back_after(self, error: FleetError, version: int,
                          flipped: Mapping[Member, pb.FlipResponse],
                          staged_as: Mapping[Member, str], pause_mode: PauseMode) -> None:
         """The checks rejected `version` after the flip, the engines held paused: put every
-        one that kept a previous copy back on it and resume them (`Rollbacks`); those that
-        kept none stay paused at `version`, named in the report. The report goes on `error`
-        (`error.rollback`), which the caller raises."""
+        one back (`_roll_back`). The report goes on `error` (`error.rollback`), which the
+        caller raises."""
+        report = self._roll_back(version, flipped, staged_as, pause_mode)
+        error.rollback = report
+        error.add_note(f"rolled back to version {report.version} on {len(report.workers)} of "
+                       f"{len(flipped)} engines" + (
+                           "" if report.complete else "; not: " + "; ".join(
+                               str(f) for f in report.failed)))
+
+    def _roll_back_minority(self, version: int, digest: str,
+                            rejected: Mapping[Member, WorkerFailure],
+                            flipped: Mapping[Member, pb.FlipResponse],
+                            staged_as: Mapping[Member, str],
+                            pause_mode: PauseMode) -> RollbackReport:
+        """Only `rejected` go back; the fleet stays at `version`: its committed copy and delta
+        base are the version's still (a rollback of the whole fleet would forget them)."""
+        committed, base = self.epochs.committed, self.epochs.delta_base
+        report = self._roll_back(version, {m: flipped[m] for m in rejected}, staged_as,
+                                 pause_mode)
+        self.epochs.committed, self.epochs.delta_base = (version, digest), base
+        assert committed == (version, digest), (committed, version, digest)
+        return report
+
+    def _roll_back(self, version: int, flipped: Mapping[Member, pb.FlipResponse],
+                   staged_as: Mapping[Member, str], pause_mode: PauseMode) -> RollbackReport:
+        """Put every engine of `flipped` that kept a previous copy back on it and resume them
+        (`Rollbacks`); those that kept none stay paused at `version`. An engine that could not
+        be rolled back (no copy, or gone: killed after its flip) is left behind: the next
+        epoch forms the group without it, a catch-up or `readmit()` brings it back."""
         previous = {m: a.previous_copy_version for m, a in flipped.items()}
         able = [m for m, v in previous.items() if v]
         to_versions = {previous[m] for m in able}
@@ -323,11 +368,10 @@ class StagedRound(RoundParts):
             report = RollbackReport(version=version, rolled_back_from=version, workers=(),
                                     stall_seconds=0.0, failed=cannot + tuple(
                                         no_previous_copy(m, version) for m in able))
-        error.rollback = report
-        error.add_note(f"rolled back to version {report.version} on {len(report.workers)} of "
-                       f"{len(flipped)} engines" + (
-                           "" if report.complete else "; not: " + "; ".join(
-                               str(f) for f in report.failed)))
+        by_id = {m.instance_id: m for m in flipped}
+        self.membership.leave_behind({by_id[f.instance_id]: f for f in report.failed
+                                      if f.instance_id in by_id})
+        return report
 
     def _flip_each(self, version: int, digest: str, staged_as: Mapping[Member, str],
                    pause_mode: PauseMode, stay_paused: bool
