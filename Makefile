@@ -71,9 +71,13 @@ test: proto lint vllm dynamo
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The inner loop: lint and every test that starts no vLLM or Dynamo server (pytest marker
-# `engine`), without installing either engine.
+# `engine`), without installing either engine, in CHECK_WORKERS processes (pytest-xdist, a
+# module per process: its fixtures stay whole). They mostly wait on shim processes, so 4 on 2
+# cores: 4 min 18 s against 7 min 52 s in one. `make test` stays in one process: its vLLM and
+# Dynamo servers are shared by the session and would not fit the machine twice.
+CHECK_WORKERS ?= 4
 check: proto lint
-	$(PY) -m pytest -m "not engine" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not engine" -n $(CHECK_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Bad input at volume: REFIT_FUZZ_EXAMPLES hypothesis examples per property in
 # tests/test_bad_input.py (CI's default is 200; 2500 per property is over 10,000 inputs in all).

@@ -32,6 +32,13 @@ class Code(enum.Enum):
     INTERNAL = "INTERNAL"
 
 
+class RefitDeprecationWarning(DeprecationWarning):
+    """A refit_grpc API that still works for this release and goes in the next (the old
+    keywords of `Fleet.refit()` and the Ray channel). Its own class so a test suite, or a
+    trainer, can turn exactly these into errors:
+    `filterwarnings = ["error::refit_grpc.errors.RefitDeprecationWarning"]`."""
+
+
 class RefitError(Exception):
     """The base of every refit_grpc error: a message, the status code it maps to, a `Reason`.
 

@@ -22,6 +22,7 @@ import torch
 from refit_grpc import (
     Canary,
     CanaryMismatchError,
+    Checks,
     EpochRefusedError,
     Fleet,
 )
@@ -74,7 +75,7 @@ def test_matching_canary_passes_moves_with_versions_and_is_reported(lm_fleet):
     for version in (1, 2, 3):
         step(model, gen)
         canary = trainer_canary(model)
-        report = lm_fleet.refit(link, sent(model), version=version, canary=canary)
+        report = lm_fleet.refit(link, sent(model), version=version, checks=Checks(canary=canary))
         gaps = [w.canary_gap for w in report.workers]
         cost = max(w.canary_seconds for w in report.workers)
         print(f"v{version}: canary gaps {[f'{g:.1e}' for g in gaps]}, cost {cost * 1e3:.1f} ms "
@@ -97,13 +98,13 @@ def test_engines_that_compute_otherwise_are_named_left_paused_not_flushed(lm_fle
     torch.manual_seed(6)
     model = TinyLM(TinyLMConfig()).eval()
     link = connected(lm_fleet, sent(model))
-    lm_fleet.refit(link, sent(model), version=1, canary=trainer_canary(model))
+    lm_fleet.refit(link, sent(model), version=1, checks=Checks(canary=trainer_canary(model)))
     wrong = sent(model)
     noise = torch.randn(wrong["blocks.0.mlp.0.weight"].shape,
                         generator=torch.Generator().manual_seed(0))
     wrong["blocks.0.mlp.0.weight"] += 0.05 * noise  # not a constant: LayerNorm hides one
     with pytest.raises(CanaryMismatchError) as caught:
-        lm_fleet.refit(link, wrong, version=2, canary=trainer_canary(model))
+        lm_fleet.refit(link, wrong, version=2, checks=Checks(canary=trainer_canary(model)))
     err = caught.value
     assert err.reason == Reason.CANARY_MISMATCH
     assert sorted(f.instance_id for f in err.failures) == ["lm0", "lm1", "lm2"], err
@@ -131,7 +132,7 @@ def test_engines_that_compute_otherwise_are_named_left_paused_not_flushed(lm_fle
     assert gauge == pytest.approx(err.gaps["lm0"], rel=1e-6), (gauge, err.gaps)
 
     # The operator's way out: refit the trainer's weights; the canary passes and they resume.
-    lm_fleet.refit(link, sent(model), version=3, canary=trainer_canary(model))
+    lm_fleet.refit(link, sent(model), version=3, checks=Checks(canary=trainer_canary(model)))
     assert not any(d.paused for d in lm_fleet.describe(weights_digest=False))
     link.close()
 
@@ -145,7 +146,7 @@ def test_an_engine_without_a_canary_refuses_the_epoch_before_any_byte(shim_procs
                epoch_timeout_s=30) as fleet:
         link = connected(fleet, sent(model))
         with pytest.raises(EpochRefusedError) as refused:
-            fleet.refit(link, sent(model), version=1, canary=trainer_canary(model))
+            fleet.refit(link, sent(model), version=1, checks=Checks(canary=trainer_canary(model)))
         (failure,) = [f for f in refused.value.failures if f.reason == Reason.CANARY_UNSUPPORTED]
         assert failure.instance_id == "store" and failure.code == grpc.StatusCode.FAILED_PRECONDITION
         for d in fleet.describe(weights_digest=False):

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from refit_grpc import CatchUpError, Fleet, Packing, WorkerEndpoint
+from refit_grpc import CatchUpError, Checks, Fleet, Packing, Staged, WorkerEndpoint
 from refit_grpc.driver.failures import WorkerFailure, failure_from_rpc
 from refit_grpc.driver.plans import prepare_on
 from refit_grpc.proto import pb
@@ -36,8 +36,8 @@ def test_a_new_worker_catches_up_from_a_peer_and_joins_the_next_epoch(store_shim
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 18, 2),
                epoch_timeout_s=20) as fleet:
         link = connected(fleet, weights(1))
-        fleet.refit(link, weights(1), mode="staged", delta=True)
-        fleet.refit(link, weights(2), mode="staged", delta=True)
+        fleet.refit(link, weights(1), epoch=Staged(delta=True))
+        fleet.refit(link, weights(2), epoch=Staged(delta=True))
         group_before = fleet.group_id
 
         fleet.add(endpoint("c", c))  # no plan, no group, version 0
@@ -57,7 +57,8 @@ def test_a_new_worker_catches_up_from_a_peer_and_joins_the_next_epoch(store_shim
         assert (peer.state, peer.paused, peer.group_id) == (pb.SHIM_STATE_READY, False,
                                                             group_before)
 
-        epoch = fleet.refit(link, weights(3), mode="staged", delta=True, verify_weights=True)
+        epoch = fleet.refit(link, weights(3), epoch=Staged(delta=True),
+                            checks=Checks(verify=True))
         assert epoch.delta and [w.instance_id for w in epoch.workers] == ["a", "b", "c"]
         assert {w.weights_digest for w in epoch.workers} == {digest_of(weights(3))}
         print(f"\nCATCH-UP {report.bytes / 2**20:.0f} MiB from {report.peer}: "
@@ -78,7 +79,7 @@ def test_no_peer_after_an_in_place_epoch_and_a_target_refusing_is_not_retried(st
             fleet.catch_up("b")
         assert e.value.reason == Reason.NO_CATCH_UP_PEER
 
-        fleet.refit(link, weights(2), mode="staged")
+        fleet.refit(link, weights(2), epoch=Staged())
         # As if a staged epoch had gone on without b.
         fleet.membership.leave_behind({fleet.membership.find("b"): WorkerFailure(
             "b", b.address, grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "as if it had died")})
@@ -111,7 +112,7 @@ def test_every_bad_catch_up_request_is_refused_with_its_reason_and_changes_nothi
     peer, newcomer = store_shims(), store_shims()
     with Fleet([endpoint("p", peer)], packing=Packing(1 << 18, 2), epoch_timeout_s=20) as fleet:
         link = connected(fleet, weights(1))
-        fleet.refit(link, weights(1), mode="staged")
+        fleet.refit(link, weights(1), epoch=Staged())
         fleet.add(endpoint("n", newcomer))
         prepare_on(fleet.calls, fleet.plan, [fleet.membership.find("n").link])
         good = serve_request(peer)
@@ -185,7 +186,7 @@ def test_a_peer_killed_mid_catch_up_is_named_and_the_next_peer_serves(shim_procs
     p0, p1, x = (shim_procs("--model", "none", "--instance-id", name) for name in ("p0", "p1", "x"))
     with fleet_of([p0, p1]) as fleet:
         link = connected(fleet, weights(1, MIB))
-        fleet.refit(link, weights(1, MIB), mode="staged")
+        fleet.refit(link, weights(1, MIB), epoch=Staged())
         fleet.add(WorkerEndpoint("x", x.address))
 
         future = fleet.catch_up_async("x")
@@ -203,8 +204,8 @@ def test_a_peer_killed_mid_catch_up_is_named_and_the_next_peer_serves(shim_procs
               f"({report.bytes / 2**20:.0f} MiB)")
 
         # The fleet's epochs go on: the dead peer is left behind, the newcomer is in.
-        epoch = fleet.refit(link, weights(2, MIB), mode="staged", min_engines=2,
-                            verify_weights=True)
+        epoch = fleet.refit(link, weights(2, MIB), epoch=Staged(min_engines=2),
+                            checks=Checks(verify=True))
         assert [f.instance_id for f in epoch.left_behind] == ["p0"]
         assert [w.instance_id for w in epoch.workers] == ["p1", "x"]
         assert {w.weights_digest for w in epoch.workers} == {digest_of(weights(2, MIB))}
@@ -214,11 +215,11 @@ def test_the_only_peer_killed_mid_catch_up_leaves_the_newcomer_as_it_was(shim_pr
     p0, p1, x = (shim_procs("--model", "none", "--instance-id", name) for name in ("p0", "p1", "x"))
     with fleet_of([p0, p1, x]) as fleet:
         link = connected(fleet, weights(1, MIB))
-        fleet.refit(link, weights(1, MIB), mode="staged")
+        fleet.refit(link, weights(1, MIB), epoch=Staged())
         x.signal(signal.SIGKILL)  # x dies and comes back empty (a new instance, no plan)
         x.proc.wait(10)
         x2 = shim_procs("--model", "none", "--instance-id", "x2", "--address", x.address)
-        fleet.refit(link, weights(2, MIB), mode="staged", min_engines=2)
+        fleet.refit(link, weights(2, MIB), epoch=Staged(min_engines=2))
         assert "x" in fleet.left_behind
         fleet.remove("p1")  # leaves p0 as the only peer
 

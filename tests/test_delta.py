@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from refit_grpc import Fleet, Packing
+from refit_grpc import Checks, Fleet, Packing, Staged
 from refit_grpc.delta import Encoding, apply, encode
 from refit_grpc.driver.endpoint import WorkerEndpoint as Endpoint
 from refit_grpc.driver.failures import failure_from_rpc
@@ -94,14 +94,15 @@ def test_delta_epochs_move_what_changed_and_equal_full_epochs(fleet_of_two):
     fleet, shims = fleet_of_two
     v1 = mixed(1)
     link = connected(fleet, v1)
-    first = fleet.refit(link, v1, mode="staged", delta=True)
+    first = fleet.refit(link, v1, epoch=Staged(delta=True))
     assert not first.delta and first.wire_bytes == fleet.plan.total_bytes  # no base yet: full
     assert fleet.delta_base_bytes == fleet.plan.total_bytes  # the trainer's one copy
     current, rows = v1, []
     for version, changed in [(2, 0.01), (3, 0.001), (4, 0.1), (5, 1.0)]:
         current = mixed(version, changed, base=current)
         tensors = as_views(current) if version % 2 else current  # views or separate tensors
-        report = fleet.refit(link, tensors, mode="staged", delta=True, verify_weights=True)
+        report = fleet.refit(link, tensors, epoch=Staged(delta=True),
+                             checks=Checks(verify=True))
         assert report.delta
         want = weights_digest((s.name, current[s.name]) for s in fleet.plan.tensors)
         assert {w.weights_digest for w in report.workers} == {want}
@@ -120,13 +121,13 @@ def test_a_delta_goes_only_onto_the_trainers_base(fleet_of_two):
     fleet, shims = fleet_of_two
     v1 = mixed(1)
     link = connected(fleet, v1)
-    fleet.refit(link, v1, mode="staged", delta=True)
+    fleet.refit(link, v1, epoch=Staged(delta=True))
     # An in-place epoch changes the live weights without the committed copies: no base left.
     v2 = mixed(2, 0.01, base=v1)
     fleet.refit(link, v2, version=2)
     assert all(s.describe().committed_copy_version == 0 for s in shims)
     v3 = mixed(3, 0.01, base=v2)
-    report = fleet.refit(link, v3, mode="staged", delta=True, verify_weights=True)
+    report = fleet.refit(link, v3, epoch=Staged(delta=True), checks=Checks(verify=True))
     assert not report.delta  # a full epoch instead
     assert {w.weights_digest for w in report.workers} == \
         {weights_digest((s.name, v3[s.name]) for s in fleet.plan.tensors)}
@@ -145,7 +146,8 @@ def test_a_delta_goes_only_onto_the_trainers_base(fleet_of_two):
             list(shims[0].stub.UpdateWeights(request, timeout=5))
         assert failure_from_rpc(Endpoint("s0", "x"), e.value).reason == reason
     assert shims[0].describe().state == pb.SHIM_STATE_READY
-    with pytest.raises(ValueError, match="staged"):
+    # The new shape cannot say it (`InPlace` has no `delta`); the deprecated keyword is refused.
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="staged"):
         fleet.refit(link, v3, delta=True)
 
 

@@ -7,7 +7,7 @@ log-probabilities) and a real `refit-grpc shim --engine dynamo` process in front
     request through the frontend with the old version's log-probabilities; the stream ends at
     STAGED with the trainer's staged digest, the old version still served; the Flip loads the
     copy and the worker serves the new version (log-probabilities equal transformers'), with
-    Dynamo's declared weight version the flipped one. Then `Fleet.refit(mode="staged")` does the
+    Dynamo's declared weight version the flipped one. Then `Fleet.refit(epoch=Staged())` does the
     same in one call.
 (b) An operator Abort mid-stage ends the staged receive (nothing staged, Flip refused
     NOT_STAGED), the worker was never paused and still serves the last flipped version, and the
@@ -37,6 +37,7 @@ require_dynamo()
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
+from refit_grpc import Staged  # noqa: E402
 from refit_grpc.common import Deadline  # noqa: E402
 from refit_grpc.driver import Fleet, WorkerEndpoint  # noqa: E402
 from refit_grpc.integrations.dynamo import read_workers  # noqa: E402
@@ -226,13 +227,13 @@ def test_a_staged_epoch_stages_while_the_worker_serves_then_the_flip_serves_the_
         (d,) = fleet.describe()
         assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, version), d
 
-        # The trainer's one call: Fleet.refit(mode="staged") stages, checks, flips.
+        # The trainer's one call: Fleet.refit(epoch=Staged()) stages, checks, flips.
         version, weights = rig.next_version()
-        report = fleet.refit(link, weights, version=version, mode="staged")
+        report = fleet.refit(link, weights, version=version, epoch=Staged())
         assert report.version == version and not report.left_behind, report
         rig.flipped(version, weights)
         gap = rig.gap_to(weights)
-        print(f"Fleet.refit(mode='staged'): epoch {report.seconds * 1e3:.0f} ms, stall "
+        print(f"Fleet.refit(epoch=Staged()): epoch {report.seconds * 1e3:.0f} ms, stall "
               f"{report.stall_seconds * 1e3:.0f} ms, max |Dynamo - transformers| = {gap:.2e}")
         assert gap <= FP32_TOL
         assert dynamo_version(rig) == version
@@ -293,7 +294,7 @@ def test_an_abort_mid_stage_leaves_the_served_version_and_the_next_staged_epoch_
         link.close()
 
         link = fleet.connect("127.0.0.1")  # the abort closed the group: a new one
-        report = fleet.refit(link, weights, version=version, mode="staged")
+        report = fleet.refit(link, weights, version=version, epoch=Staged())
         assert report.version == version, report
         rig.flipped(version, weights)
         assert rig.gap_to(weights) <= FP32_TOL

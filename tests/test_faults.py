@@ -266,7 +266,7 @@ def test_shim_frozen_longer_than_the_deadline(shim_procs):
 
 TRAINER = """
 import sys, time, torch
-from refit_grpc import Fleet, Packing, WorkerEndpoint
+from refit_grpc import Fleet, InPlace, Packing, WorkerEndpoint
 addresses = sys.argv[1:]
 w = {f"layer.{i}": torch.randn(256 * 1024) for i in range(64)}
 fleet = Fleet([WorkerEndpoint(f"w{i}", a) for i, a in enumerate(addresses)],
@@ -277,7 +277,7 @@ print("connected", flush=True)
 v = 0
 while True:
     v += 1
-    fleet.refit(link, w, version=v, flush=False)
+    fleet.refit(link, w, version=v, epoch=InPlace(flush=False))
 """
 
 

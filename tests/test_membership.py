@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from refit_grpc import Fleet, Packing, WorkerEndpoint
+from refit_grpc import Checks, Fleet, InPlace, Packing, Staged, WorkerEndpoint
 from refit_grpc.errors import InvalidArgumentError
 from refit_grpc.proto import pb
 
@@ -17,24 +17,24 @@ def versions(*shims: InProcessShim) -> list[int]:
     return [s.describe().weight_version for s in shims]
 
 
-@pytest.mark.parametrize("mode", ["in_place", "staged"])
-def test_added_and_removed_workers_take_effect_at_the_next_epoch(store_shims, mode):
+@pytest.mark.parametrize("epoch", [InPlace(), Staged()], ids=["in_place", "staged"])
+def test_added_and_removed_workers_take_effect_at_the_next_epoch(store_shims, epoch):
     a, b, c = store_shims(), store_shims(), store_shims()
     with Fleet([endpoint("a", a), endpoint("b", b)], packing=Packing(1 << 16, 2),
                epoch_timeout_s=20) as fleet:
         link = connected(fleet, weights(1))
-        fleet.refit(link, weights(1), mode=mode)
+        fleet.refit(link, weights(1), epoch=epoch)
 
         fleet.add(endpoint("c", c))  # no plan yet, not in the group: the next refit does both
         assert [e.instance_id for e in fleet.members] == ["a", "b", "c"]
-        report = fleet.refit(link, weights(2), mode=mode, verify_weights=True)
+        report = fleet.refit(link, weights(2), epoch=epoch, checks=Checks(verify=True))
         assert [w.instance_id for w in report.workers] == ["a", "b", "c"]
         assert {w.weights_digest for w in report.workers} == {digest_of(weights(2))}
         assert versions(a, b, c) == [2, 2, 2]
 
         fleet.remove("a")
         assert [e.instance_id for e in fleet.endpoints] == ["b", "c"]
-        report = fleet.refit(link, weights(3), mode=mode)
+        report = fleet.refit(link, weights(3), epoch=epoch)
         assert [w.instance_id for w in report.workers] == ["b", "c"]
         assert versions(a, b, c) == [2, 3, 3]  # a is not called again; it serves what it had
         assert not a.describe().paused
@@ -139,8 +139,8 @@ def test_twenty_staged_epochs_with_random_adds_removes_and_kills(shim_procs):
                 action = "none"
             events.append(action)
             tensors = weights(version)
-            report = fleet.refit(link, tensors, version=version, mode="staged", min_engines=1,
-                                 delta=True)
+            report = fleet.refit(link, tensors, version=version,
+                                 epoch=Staged(min_engines=1, delta=True))
             deltas += report.delta
             want = digest_of(tensors)
             assert {w.instance_id for w in report.workers} == \

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from refit_grpc import EpochMode, Fleet, Packing, QuorumError, WorkerEndpoint
+from refit_grpc import Checks, EpochMode, Fleet, Packing, QuorumError, Staged, WorkerEndpoint
 from refit_grpc.cli.fleet import render_status, status_rows
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.base import Capabilities
@@ -86,7 +86,8 @@ def test_a_staged_fleet_flips_every_engine_to_exactly_the_trainers_weights(shim_
     fleet, link = connected_fleet(shims)
     with fleet:
         for version in (1, 2, 3):
-            report = fleet.refit(link, weights(version), mode="staged", verify_weights=True)
+            report = fleet.refit(link, weights(version), epoch=Staged(),
+                                 checks=Checks(verify=True))
             assert report.mode is EpochMode.STAGED and report.left_behind == ()
             assert [w.instance_id for w in report.workers] == ["w0", "w1", "w2"]
             assert {w.weights_digest for w in report.workers} == {digest_of(weights(version))}
@@ -95,7 +96,9 @@ def test_a_staged_fleet_flips_every_engine_to_exactly_the_trainers_weights(shim_
                 d = describe_or_none(s.address)
                 assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False,
                                                                  version)
-                assert d.staging_bytes == fleet.plan.total_bytes  # one copy, kept
+                # The committed copy, kept; from the second (reversible) epoch on, the
+                # previous one beside it.
+                assert d.staging_bytes == fleet.plan.total_bytes * (1 if version == 1 else 2)
         rows = status_rows(fleet)  # what `refit-grpc fleet status` shows
         assert [r.last_stall_s for r in rows] == \
             pytest.approx([w.stall_seconds for w in report.workers])
@@ -109,19 +112,19 @@ def test_sigkill_mid_staging_never_pauses_a_survivor(shim_procs, min_engines):
     shims = [shim_procs("--model", "none", "--instance-id", f"w{i}") for i in range(4)]
     fleet, link = connected_fleet(shims)
     with fleet:
-        fleet.refit(link, weights(1), mode="staged")
+        fleet.refit(link, weights(1), epoch=Staged())
         survivors = [s.address for i, s in enumerate(shims) if i != 1]
         watch = Watch(survivors)
         on_progress, fired = kill_at_first_bucket(shims[1])
         t0 = time.monotonic()
         if min_engines == 4:
             with pytest.raises(QuorumError) as e:
-                fleet.refit(link, weights(2), mode="staged", min_engines=4,
+                fleet.refit(link, weights(2), epoch=Staged(min_engines=4),
                             on_progress=on_progress)
             assert e.value.workers[0] == "w1", str(e.value)
             expected_version, expected = 1, weights(1)
         else:
-            report = fleet.refit(link, weights(2), mode="staged", min_engines=3,
+            report = fleet.refit(link, weights(2), epoch=Staged(min_engines=3),
                                  on_progress=on_progress)
             assert [f.instance_id for f in report.left_behind] == ["w1"], report.left_behind
             assert [w.instance_id for w in report.workers] == ["w0", "w2", "w3"]
@@ -146,14 +149,14 @@ def test_sigkill_mid_staging_never_pauses_a_survivor(shim_procs, min_engines):
             assert all(not paused for a in survivors for _, paused in seen[a])
             link = fleet.connect("127.0.0.1")  # a failed epoch ends the group, as in place
         # The next epoch goes on with the three, the trainer calling nothing but refit.
-        report = fleet.refit(link, weights(3), mode="staged")
+        report = fleet.refit(link, weights(3), epoch=Staged())
         assert [w.instance_id for w in report.workers] == ["w0", "w2", "w3"]
         # The dead engine comes back (same address, same name), is readmitted, catches up.
         shims[1] = shim_procs("--model", "none", "--instance-id", "w1",
                               "--address", shims[1].address)
         fleet.readmit("w1")
         link = connected(fleet, weights(1))
-        report = fleet.refit(link, weights(4), mode="staged", verify_weights=True)
+        report = fleet.refit(link, weights(4), epoch=Staged(), checks=Checks(verify=True))
         assert [w.instance_id for w in report.workers] == ["w0", "w1", "w2", "w3"]
         assert {w.weights_digest for w in report.workers} == {digest_of(weights(4))}
     print(f"\nFAULT staged sigkill, min_engines={min_engines}: settled in {seconds:.2f}s, "
@@ -162,7 +165,7 @@ def test_sigkill_mid_staging_never_pauses_a_survivor(shim_procs, min_engines):
 
 TRAINER = """
 import sys, time, torch
-from refit_grpc import EpochMode, Fleet, Packing, WorkerEndpoint
+from refit_grpc import Fleet, Packing, Staged, WorkerEndpoint
 from refit_grpc.staging import StagedDigest
 addresses = sys.argv[1:]
 w = {f"layer.{i}": torch.randn(256 * 1024) for i in range(8)}
@@ -170,7 +173,7 @@ fleet = Fleet([WorkerEndpoint(f"w{i}", a) for i, a in enumerate(addresses)],
               packing=Packing(1 << 20, 2), epoch_timeout_s=60, flip_timeout_s=2.0)
 fleet.prepare({n: (t.shape, t.dtype) for n, t in w.items()})
 link = fleet.connect("127.0.0.1")
-handle = fleet.update_weights(1, mode=EpochMode.STAGED)
+handle = fleet.update_weights(1, epoch=Staged())
 handle.wait_accepted()
 link.sender.send(w, handle.send_deadline(), checksums=StagedDigest(fleet.plan))
 finals, failures = handle.settle()
@@ -236,11 +239,11 @@ def test_an_engine_that_staged_other_bytes_is_the_only_one_left_out(min_engines)
             link = connected(fleet, t)
             if min_engines == 3:
                 with pytest.raises(QuorumError) as e:
-                    fleet.refit(link, t, mode="staged", min_engines=3)
+                    fleet.refit(link, t, epoch=Staged(min_engines=3))
                 assert e.value.workers == ["s1"] and e.value.reasons == {"STAGED_DIGEST_MISMATCH"}
                 assert all(s.describe().weight_version == 0 for s in shims)
             else:
-                report = fleet.refit(link, t, mode="staged", min_engines=2)
+                report = fleet.refit(link, t, epoch=Staged(min_engines=2))
                 assert [f.reason for f in report.left_behind] == ["STAGED_DIGEST_MISMATCH"]
                 assert [w.instance_id for w in report.workers] == ["s0", "s2"]
                 assert [s.describe().weight_version for s in shims] == [1, 0, 1]
@@ -270,7 +273,7 @@ def test_a_refusal_leaves_only_the_refusing_engine_behind():
         with fleet:
             t = weights(1, mib=1)
             link = connected(fleet, t)
-            report = fleet.refit(link, t, mode="staged", min_engines=2)
+            report = fleet.refit(link, t, epoch=Staged(min_engines=2))
             # The refusal aborted the round before any byte moved; the other two went on in a
             # group formed again without the refusing engine.
             assert [(f.instance_id, f.reason) for f in report.left_behind] == \
@@ -279,7 +282,7 @@ def test_a_refusal_leaves_only_the_refusing_engine_behind():
             assert [s.describe().weight_version for s in shims] == [1, 0, 1]
             assert not shims[1].describe().paused
             # The next epoch runs on the two without the trainer doing anything else.
-            report = fleet.refit(link, weights(2, mib=1), mode="staged")
+            report = fleet.refit(link, weights(2, mib=1), epoch=Staged())
             assert [w.instance_id for w in report.workers] == ["s0", "s2"]
     finally:
         for s in shims:

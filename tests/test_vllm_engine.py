@@ -30,6 +30,7 @@ from refit_grpc import (  # noqa: E402
     EpochFailedError,
     EpochRefusedError,
     Fleet,
+    InPlace,
     WorkerEndpoint,
 )
 from refit_grpc.common import Deadline  # noqa: E402
@@ -185,7 +186,8 @@ def test_a_peer_refusing_the_epoch_leaves_the_vllm_engine_serving_its_weights(
         ahead = Fleet([WorkerEndpoint(other.instance_id, other.address)], epoch_timeout_s=30)
         ahead.prepare(shapes)
         link = ahead.connect("127.0.0.1")
-        ahead.refit(link, trainer["weights"], version=trainer["version"] + 50, flush=False)
+        ahead.refit(link, trainer["weights"], version=trainer["version"] + 50,
+                    epoch=InPlace(flush=False))
         link.close()
         ahead.close()
         both = Fleet([WorkerEndpoint(shim.instance_id, shim.address),

@@ -14,10 +14,11 @@ Mixtral outright with a size mismatch. The trainer is transformers >= 5, which h
 in memory under names no checkpoint has: it sends `checkpoint_state_dict(model)`, and a plan with
 the fused names is refused at Prepare with a reason that names the call.
 
-Every version also carries the logprob canary (`Fleet.refit(canary=)`), which must pass; and the
-canary must catch the MoE bug itself: one more Qwen2-MoE server runs with the fix turned off
-(`REFIT_GRPC_MOE_REPROCESS=0`, vLLM's own behaviour), and its refit raises CanaryMismatchError
-naming the engine, left paused and not flushed, although every byte arrived.
+Every version also carries the logprob canary (`Fleet.refit(checks=Checks(canary=...))`),
+which must pass; and the canary must catch the MoE bug itself: one more Qwen2-MoE server runs
+with the fix turned off (`REFIT_GRPC_MOE_REPROCESS=0`, vLLM's own behaviour), and its refit
+raises CanaryMismatchError naming the engine, left paused and not flushed, although every byte
+arrived.
 
 One server per family, each reused across its versions; the next server boots while the current
 one is refit, so at most two run at once.

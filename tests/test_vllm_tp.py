@@ -31,7 +31,7 @@ require_vllm()
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
-from refit_grpc import EpochFailedError  # noqa: E402
+from refit_grpc import EpochFailedError, Staged  # noqa: E402
 from refit_grpc.common import Deadline  # noqa: E402
 from refit_grpc.errors import RefitError  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
@@ -123,7 +123,7 @@ def test_each_tp_rank_keeps_a_committed_copy_for_delta_epochs_and_catch_ups(rig,
         fleet.prepare(info(tensors))
         link = fleet.connect("127.0.0.1")
         version = trainer["version"] + 1
-        fleet.refit(link, tensors, version=version, mode="staged", delta=True)
+        fleet.refit(link, tensors, version=version, epoch=Staged(delta=True))
         trainer["version"] = version
         serves(f"v{version}, staged")
 
@@ -132,7 +132,7 @@ def test_each_tp_rank_keeps_a_committed_copy_for_delta_epochs_and_catch_ups(rig,
                 p.data.view(-1)[::100] += 0.05
         tensors = state_dict_to_send(model, with_lm_head=True)
         version = trainer["version"] + 1
-        report = fleet.refit(link, tensors, version=version, mode="staged", delta=True)
+        report = fleet.refit(link, tensors, version=version, epoch=Staged(delta=True))
         assert report.delta and report.wire_bytes < 0.2 * report.bytes, report
         trainer["version"] = version
         serves(f"v{version}, a delta epoch")

@@ -1,6 +1,6 @@
 """vLLM's own proof that a fleet holds identical weights: each shim reports vLLM's
-`/weight_checker` digest in COMMITTED and Describe, and `refit(verify_weights=True)` refuses to
-flush a fleet whose engines disagree (a typed error naming them; every engine left paused).
+`/weight_checker` digest in COMMITTED and Describe, and `refit(checks=Checks(verify=True))`
+refuses to flush a fleet whose engines disagree (a typed error naming them; every engine left paused).
 
 Two real vLLM CPU servers, started from checkpoints of the same tiny Llama with different random
 weights, each behind a real shim process.
@@ -20,7 +20,7 @@ require_vllm()
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
-from refit_grpc import Fleet, WeightsMismatchError, WorkerEndpoint  # noqa: E402
+from refit_grpc import Checks, Fleet, WeightsMismatchError, WorkerEndpoint  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
 from refit_grpc.testing.vllm import build_tiny_llama, http_json, load_hf_model  # noqa: E402
 
@@ -65,7 +65,7 @@ def test_engines_that_disagree_are_named_and_a_full_refit_makes_them_agree(engin
         fleet.prepare(info(partial))
         link = fleet.connect("127.0.0.1")
         with pytest.raises(WeightsMismatchError) as e:
-            fleet.refit(link, partial, version=1, verify_weights=True)
+            fleet.refit(link, partial, version=1, checks=Checks(verify=True))
         assert sorted(e.value.workers) == ["vllm-0", "vllm-1"], str(e.value)
         assert e.value.reasons == {"WEIGHTS_MISMATCH"}
         described = fleet.describe(weights_digest=False)
@@ -78,7 +78,7 @@ def test_engines_that_disagree_are_named_and_a_full_refit_makes_them_agree(engin
         # Every tensor: the engines now hold the same weights, and say so.
         fleet.prepare(info(weights))
         link = fleet.connect("127.0.0.1")
-        report = fleet.refit(link, weights, version=2, verify_weights=True)
+        report = fleet.refit(link, weights, version=2, checks=Checks(verify=True))
         digests = {w.weights_digest for w in report.workers}
         assert len(digests) == 1 and "" not in digests, report.workers
         assert [d.weights_digest for d in fleet.describe()] == \

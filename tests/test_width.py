@@ -18,7 +18,7 @@ from functools import partial
 
 import pytest
 
-from refit_grpc import Fleet, FleetError
+from refit_grpc import Checks, Fleet, FleetError
 from refit_grpc.plan import Packing
 from refit_grpc.testing.forked_shims import ShimForkServer
 
@@ -55,7 +55,7 @@ def fleet_of(shims, **config) -> Fleet:
 
 def refit_and_check(fleet: Fleet, link, version: int) -> None:
     w = weights(version)
-    report = fleet.refit(link, w, version=version, verify_weights=True)
+    report = fleet.refit(link, w, version=version, checks=Checks(verify=True))
     expected = digest_of(w)
     assert len(report.workers) == len(fleet.members)
     assert {r.weights_digest for r in report.workers} == {expected}

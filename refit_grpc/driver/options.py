@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from refit_grpc.common import EpochMode, PauseMode
 from refit_grpc.driver.checks import Checks
-from refit_grpc.errors import InvalidArgumentError
+from refit_grpc.errors import InvalidArgumentError, RefitDeprecationWarning
 from refit_grpc.reasons import Reason
 
 
@@ -102,7 +102,8 @@ def options(what: str, epoch: Epoch | None, checks: Checks | None,
                                        reason=Reason.INVALID_ARGUMENT)
         warnings.warn(f"{what}({', '.join(f'{k}=' for k in sorted(legacy))}) is deprecated: "
                       "pass epoch=InPlace(flush=...) or Staged(min_engines=..., delta=...) and "
-                      "checks=Checks(verify=..., canary=...)", DeprecationWarning, stacklevel=3)
+                      "checks=Checks(verify=..., canary=...)", RefitDeprecationWarning,
+                      stacklevel=3)
         checks = Checks(verify=legacy.get("verify_weights", False), canary=legacy.get("canary"))
         epoch = _from_keywords(legacy)
     if epoch is not None and not isinstance(epoch, InPlace | Staged):
@@ -140,7 +141,7 @@ def reopened(handle: Any, legacy: Mapping[str, Any]) -> None:
         raise TypeError(f"flip() got unexpected keyword arguments {unknown}")
     warnings.warn(f"flip({', '.join(f'{k}=' for k in sorted(legacy))}) is deprecated: the "
                   "epoch carries them (update_weights(epoch=Staged(min_engines=...), "
-                  "checks=Checks(...)))", DeprecationWarning, stacklevel=3)
+                  "checks=Checks(...)))", RefitDeprecationWarning, stacklevel=3)
     handle.epoch = Staged(min_engines=legacy.get("min_engines"), delta=handle.epoch.delta,
                           reversible=handle.epoch.reversible)
     handle.pause_mode = legacy.get("pause_mode", PauseMode.KEEP)

@@ -62,6 +62,7 @@ from refit_grpc.driver.options import InPlace, Staged
 from refit_grpc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    RefitDeprecationWarning,
     RefitError,
     RefitTimeoutError,
 )
@@ -126,7 +127,7 @@ def _epoch_of(epoch: InPlace | Staged | None, mode: EpochMode | str | None,
         raise InvalidArgumentError("pass epoch= or the deprecated mode=/min_engines=, not both",
                                    reason=Reason.INVALID_ARGUMENT)
     warnings.warn("RefitChannel(mode=..., min_engines=...) is deprecated: pass "
-                  "epoch=InPlace() or epoch=Staged(min_engines=...)", DeprecationWarning,
+                  "epoch=InPlace() or epoch=Staged(min_engines=...)", RefitDeprecationWarning,
                   stacklevel=3)
     try:
         staged = EpochMode(mode or EpochMode.IN_PLACE) is EpochMode.STAGED

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from refit_grpc.driver import Fleet, WorkerEndpoint
+from refit_grpc.driver import Checks, Fleet, WorkerEndpoint
 from refit_grpc.shim.process import ShimProcess, spawn_shim
 from refit_grpc.testing.vllm import VLLMServer
 
@@ -244,7 +244,8 @@ class Rig:
             self.fleet.prepare({n: (shape, dtype) for n, shape, dtype in info})
             self._link, self._link_info = self.fleet.connect("127.0.0.1"), info
         try:
-            return self.fleet.refit(self._link, tensors, version=version, canary=canary)
+            return self.fleet.refit(self._link, tensors, version=version,
+                                    checks=Checks(canary=canary))
         except BaseException:
             self._close_link()
             raise
