@@ -19,11 +19,12 @@ trainer's staged digest:
     never paused and still serves the old version, and the next staged epoch goes through;
 (d) the same engine behind a real shim process: a staged UpdateWeights ends at STAGED, the
     Flip runs the epoch's canary and serves the new version; then the trainer's one call,
-    `Fleet.refit(mode="staged")`, does the same.
+    `Fleet.refit(epoch=Staged())`, does the same.
 """
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import threading
@@ -45,7 +46,7 @@ require_vllm()
 # The module's vLLM server starts with the first test (about a minute here).
 pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
-from refit_grpc import Fleet, WorkerEndpoint  # noqa: E402
+from refit_grpc import Checks, Fleet, Staged, WorkerEndpoint  # noqa: E402
 from refit_grpc.collective import Group, Sender  # noqa: E402
 from refit_grpc.common import Deadline, GroupSpec, PauseMode  # noqa: E402
 from refit_grpc.errors import RefitError  # noqa: E402
@@ -131,7 +132,8 @@ class Staging:
     """`engine.stage` on a thread: the digest it returned or what it raised, the buckets it
     reported, when it started and ended."""
 
-    def __init__(self, engine: VLLMEngine, plan: RefitPlan, deadline: Deadline):
+    def __init__(self, engine: VLLMEngine, plan: RefitPlan, deadline: Deadline,
+                 keep_previous: bool = False):
         self.buckets: list[Bucket] = []
         self.digest: str | None = None
         self.error: BaseException | None = None
@@ -140,7 +142,8 @@ class Staging:
 
         def run() -> None:
             try:
-                self.digest = engine.stage(plan, deadline, self.buckets.append)
+                self.digest = engine.stage(plan, deadline, self.buckets.append,
+                                           keep_previous=keep_previous)
             except BaseException as e:  # noqa: BLE001  (the test asserts on it)
                 self.error = e
             finally:
@@ -383,6 +386,50 @@ def test_every_flip_serves_the_trainers_log_probabilities(server, engine, traine
         assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(version)}
 
 
+def test_a_rollback_serves_the_previous_versions_log_probabilities(server, engine, trainer):
+    """(b') Rollback on vLLM (issue 23, item 4): a reversible staged epoch keeps the worker's
+    committed copy as its previous copy; after the flip to the new version, `restore_previous`
+    and a flip put the previous version back, through the same loader as any flip (the tied
+    head, the experts' packing): vLLM's teacher-forced log-probabilities equal transformers' on
+    the previous weights again, the very numbers it served before the epoch."""
+
+    def staged_epoch(version: int, tensors: dict, keep_previous: bool) -> None:
+        plan = plan_of(tensors)
+        group = form_group(engine, plan)
+        try:
+            staging = Staging(engine, plan, Deadline(EPOCH_S), keep_previous=keep_previous)
+            sent = send(group, plan, tensors)
+            staging.join(EPOCH_S)
+        finally:
+            group.close()
+        assert staging.error is None and staging.digest == sent, staging.error
+        flip(engine, version)
+
+    old_version, tensors = next_version(trainer)
+    staged_epoch(old_version, tensors, keep_previous=False)  # this adapter's committed copy
+    trainer["version"] = old_version
+    assert engine.committed_copy is not None and engine.committed_copy[0] == old_version
+    assert engine.previous_copy is None
+    before = assert_serves(server.url, trainer["model"], f"v{old_version} after the flip")
+    previous_model = copy.deepcopy(trainer["model"])
+
+    version, tensors = next_version(trainer)
+    staged_epoch(version, tensors, keep_previous=True)
+    assert engine.previous_copy is not None and engine.previous_copy[0] == old_version
+    assert_serves(server.url, trainer["model"], f"v{version} after the flip")
+
+    assert engine.restore_previous(Deadline(STEP_S))[0] == old_version
+    stall = flip(engine, old_version)
+    back = assert_serves(server.url, previous_model, f"back on v{old_version}")
+    assert (back - before).abs().max().item() == 0.0, "not the numbers served before the epoch"
+    assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(old_version)}
+    assert engine.committed_copy is not None and engine.committed_copy[0] == old_version
+    assert engine.previous_copy is None  # one step back
+    print(f"rolled back v{version} -> v{old_version}: stall {stall * 1e3:.0f} ms")
+    # The trainer goes on from the weights served; versions stay above the one rolled back from.
+    trainer["model"], trainer["version"] = previous_model, version
+
+
 @pytest.mark.parametrize("how", ["drop", "abort"])
 def test_a_staged_epoch_ended_midway_leaves_the_old_weights_serving(server, engine, trainer, how):
     """(c) The trainer sends 3 buckets and stalls (group open). `drop`: the shim drops the
@@ -508,14 +555,15 @@ def test_a_staged_epoch_through_a_real_shim_ends_staged_then_flips_with_its_cana
         assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, version), d
         assert_serves(server.url, trainer["model"], f"v{version} flipped through the shim")
 
-        # The trainer's one call: Fleet.refit(mode="staged") stages, checks, flips.
+        # The trainer's one call: Fleet.refit(epoch=Staged()) stages, checks, flips.
         version, tensors = next_version(trainer)
         canary = canary_from_model(trainer["model"], SEQUENCE, FP32_TOL)
-        report = fleet.refit(link, tensors, version=version, mode="staged", canary=canary)
+        report = fleet.refit(link, tensors, version=version, epoch=Staged(),
+                             checks=Checks(canary=canary))
         (worker,) = report.workers
         assert report.version == version and not report.left_behind, report
         assert worker.canary_gap is not None and worker.canary_gap <= FP32_TOL, worker
-        print(f"Fleet.refit(mode='staged'): epoch {report.seconds * 1e3:.0f} ms, stall "
+        print(f"Fleet.refit(epoch=Staged()): epoch {report.seconds * 1e3:.0f} ms, stall "
               f"{report.stall_seconds * 1e3:.0f} ms, canary gap {worker.canary_gap:.1e}")
         trainer["version"] = version
         (d,) = fleet.describe()
@@ -550,7 +598,7 @@ def test_a_vllm_engine_joins_the_fleet_by_catching_up_from_a_peer(server, traine
         version, tensors = next_version(trainer)
         fleet.prepare(info(tensors))
         link = fleet.connect("127.0.0.1")
-        fleet.refit(link, tensors, version=version, mode="staged")
+        fleet.refit(link, tensors, version=version, epoch=Staged())
 
         fleet.add(WorkerEndpoint(shim.instance_id, shim.address))
         report = fleet.catch_up(shim.instance_id)
@@ -565,7 +613,7 @@ def test_a_vllm_engine_joins_the_fleet_by_catching_up_from_a_peer(server, traine
               f" stall {report.stall_seconds * 1e3:.0f} ms)")
 
         version, tensors = next_version(trainer)
-        epoch = fleet.refit(link, tensors, version=version, mode="staged")
+        epoch = fleet.refit(link, tensors, version=version, epoch=Staged())
         assert [w.instance_id for w in epoch.workers] == ["peer-0", "vllm-joins"], epoch
         trainer["version"] = version
         assert_serves(server.url, trainer["model"], f"v{version}, the next epoch after")
@@ -579,7 +627,7 @@ def test_a_vllm_engine_joins_the_fleet_by_catching_up_from_a_peer(server, traine
 
 def test_a_vllm_engine_takes_delta_epochs_and_serves_a_catch_up(server, trainer):
     """(f) The copy a flip loaded stays on vLLM's workers as the engine's committed copy
-    (Describe says its version and digest): a staged `refit(..., delta=True)` sends only what
+    (Describe says its version and digest): a `refit(..., epoch=Staged(delta=True))` sends only what
     changed (`report.delta`, wire bytes far below the plan's) and the flip loads the result,
     whose log-probabilities equal transformers'; then a newcomer (a reference-engine shim in
     store mode, its own process) catches up from the vLLM engine's committed copy, the vLLM
@@ -598,16 +646,16 @@ def test_a_vllm_engine_takes_delta_epochs_and_serves_a_catch_up(server, trainer)
         version, tensors = next_version(trainer)
         fleet.prepare(info(tensors))
         link = fleet.connect("127.0.0.1")
-        # delta=True from the first epoch: it goes whole (no base yet) and the trainer keeps
+        # Staged(delta=True) from the first epoch: it goes whole (no base yet) and the trainer keeps
         # what it sent as the next one's base.
-        full = fleet.refit(link, tensors, version=version, mode="staged", delta=True)
+        full = fleet.refit(link, tensors, version=version, epoch=Staged(delta=True))
         assert not full.delta and full.wire_bytes == full.bytes, full
         trainer["version"] = version
         d = describe(shim.address)
         assert d.committed_copy_version == version and d.committed_copy_digest, d
 
         version, tensors = next_sparse_version(trainer)
-        delta = fleet.refit(link, tensors, version=version, mode="staged", delta=True)
+        delta = fleet.refit(link, tensors, version=version, epoch=Staged(delta=True))
         assert delta.delta, delta
         trainer["version"] = version
         assert delta.wire_bytes < 0.2 * delta.bytes, (delta.wire_bytes, delta.bytes)
@@ -631,7 +679,7 @@ def test_a_vllm_engine_takes_delta_epochs_and_serves_a_catch_up(server, trainer)
               f"{caught.seconds * 1e3:.0f} ms (transfer {caught.transfer_seconds * 1e3:.0f} ms)")
 
         version, tensors = next_sparse_version(trainer)
-        both = fleet.refit(link, tensors, version=version, mode="staged", delta=True)
+        both = fleet.refit(link, tensors, version=version, epoch=Staged(delta=True))
         assert both.delta, both
         assert [w.instance_id for w in both.workers] == ["vllm-serves", "newcomer"], both
         trainer["version"] = version
