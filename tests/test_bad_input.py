@@ -382,10 +382,13 @@ def test_flip(rig):
     @given(st.data())
     def check(data):
         call(rig, "Flip", pb.FlipRequest(**mutate(data, "Flip", base, bad,
-                                                  {"stay_paused": st.booleans()})))
+                                                  {"stay_paused": st.booleans(),
+                                                   "keep_cache": st.booleans()})))
 
     check()
-    assert_every_field_fuzzed("Flip", pb.FlipRequest, {"stay_paused"})
+    # keep_cache alone is valid with KEEP; with another pause mode it is refused
+    # (INVALID_KEEP_CACHE, tests/test_keep_cache.py).
+    assert_every_field_fuzzed("Flip", pb.FlipRequest, {"stay_paused", "keep_cache"})
 
 
 def test_serve_catch_up(rig):

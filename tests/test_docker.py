@@ -156,6 +156,7 @@ def test_the_vllm_image_starts_vllm_as_the_tested_command_does():
     tested = vllm_command("/models/policy", 8000, backend="gloo")
     for flag in ("--host", "--port", "--weight-transfer-config"):
         assert image[image.index(flag) + 1] == tested[tested.index(flag) + 1], flag
+    assert "--enable-scale-out" in image and "--enable-scale-out" in tested  # version spans
     env = (DOCKER / "Dockerfile.vllm").read_text()
     assert "VLLM_SERVER_DEV_MODE=1" in env  # the admin routes the shim drives
     assert "torchvision torchaudio torchcodec" in env  # removed, as `make vllm` does

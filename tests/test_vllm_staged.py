@@ -386,50 +386,6 @@ def test_every_flip_serves_the_trainers_log_probabilities(server, engine, traine
         assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(version)}
 
 
-def test_a_rollback_serves_the_previous_versions_log_probabilities(server, engine, trainer):
-    """(b') Rollback on vLLM (issue 23, item 4): a reversible staged epoch keeps the worker's
-    committed copy as its previous copy; after the flip to the new version, `restore_previous`
-    and a flip put the previous version back, through the same loader as any flip (the tied
-    head, the experts' packing): vLLM's teacher-forced log-probabilities equal transformers' on
-    the previous weights again, the very numbers it served before the epoch."""
-
-    def staged_epoch(version: int, tensors: dict, keep_previous: bool) -> None:
-        plan = plan_of(tensors)
-        group = form_group(engine, plan)
-        try:
-            staging = Staging(engine, plan, Deadline(EPOCH_S), keep_previous=keep_previous)
-            sent = send(group, plan, tensors)
-            staging.join(EPOCH_S)
-        finally:
-            group.close()
-        assert staging.error is None and staging.digest == sent, staging.error
-        flip(engine, version)
-
-    old_version, tensors = next_version(trainer)
-    staged_epoch(old_version, tensors, keep_previous=False)  # this adapter's committed copy
-    trainer["version"] = old_version
-    assert engine.committed_copy is not None and engine.committed_copy[0] == old_version
-    assert engine.previous_copy is None
-    before = assert_serves(server.url, trainer["model"], f"v{old_version} after the flip")
-    previous_model = copy.deepcopy(trainer["model"])
-
-    version, tensors = next_version(trainer)
-    staged_epoch(version, tensors, keep_previous=True)
-    assert engine.previous_copy is not None and engine.previous_copy[0] == old_version
-    assert_serves(server.url, trainer["model"], f"v{version} after the flip")
-
-    assert engine.restore_previous(Deadline(STEP_S))[0] == old_version
-    stall = flip(engine, old_version)
-    back = assert_serves(server.url, previous_model, f"back on v{old_version}")
-    assert (back - before).abs().max().item() == 0.0, "not the numbers served before the epoch"
-    assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(old_version)}
-    assert engine.committed_copy is not None and engine.committed_copy[0] == old_version
-    assert engine.previous_copy is None  # one step back
-    print(f"rolled back v{version} -> v{old_version}: stall {stall * 1e3:.0f} ms")
-    # The trainer goes on from the weights served; versions stay above the one rolled back from.
-    trainer["model"], trainer["version"] = previous_model, version
-
-
 @pytest.mark.parametrize("how", ["drop", "abort"])
 def test_a_staged_epoch_ended_midway_leaves_the_old_weights_serving(server, engine, trainer, how):
     """(c) The trainer sends 3 buckets and stalls (group open). `drop`: the shim drops the
@@ -569,6 +525,107 @@ def test_a_staged_epoch_through_a_real_shim_ends_staged_then_flips_with_its_cana
         (d,) = fleet.describe()
         assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, version), d
         assert_serves(server.url, trainer["model"], f"v{version} from Fleet.refit(staged)")
+    finally:
+        channel.close()
+        if link is not None:
+            link.close()
+        fleet.close()
+        assert shim.stop() is not None
+
+
+class SpannedStream:
+    """One greedy completion streamed from vLLM's token-in/token-out route on a thread: the
+    tokens as they arrive, and the final chunk's weight version spans (vLLM sets them on the
+    last chunk of a completion whose engine weight version is set)."""
+
+    def __init__(self, url: str, max_tokens: int):
+        self.tokens: list[int] = []
+        self.spans: list[dict] | None = None
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        parsed = urllib.parse.urlparse(url)
+        self._conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=EPOCH_S)
+        self._body = json.dumps({"token_ids": [1, 7, 11, 13], "stream": True, "sampling_params": {
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})
+        self.thread = threading.Thread(target=self._run, daemon=True, name="test-spans")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._conn.request("POST", "/inference/v1/generate", self._body,
+                               {"Content-Type": "application/json"})
+            response = self._conn.getresponse()
+            assert response.status == 200, response.read()
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                (choice,) = json.loads(line[len("data:"):])["choices"]
+                self.tokens.extend(choice.get("token_ids") or [])
+                self.spans = choice.get("weight_versions") or self.spans
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        except BaseException as e:  # noqa: BLE001  (the test asserts on it)
+            self.error = e
+        finally:
+            self._conn.close()
+
+    def wait_tokens(self, n: int, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while len(self.tokens) < n:
+            assert self.thread.is_alive() and time.monotonic() < end, (self.error, self.tokens)
+            time.sleep(0.001)
+
+
+def test_a_completion_that_crosses_a_flip_keeping_its_cache_reports_two_version_spans(
+        server, trainer):
+    """(d') Issue 23, item 3, through a real shim: a version staged while one greedy completion
+    streams; the Flip with `keep_cache` pauses it (KEEP, vLLM's clear_cache=false), loads,
+    skips the cache reset and resumes. The completion goes on to its end without recomputing,
+    and vLLM's token-in/token-out output reports two weight version spans: the old version's
+    tokens, then the new one's from the flip on (the boundary between the tokens seen before the
+    Flip was sent and those seen when it returned)."""
+    assert trainer["version"] >= 1, "runs after (a)"
+    old_version = trainer["version"]
+    shim = spawn_shim("--engine", "vllm", "--engine-url", server.url, "--instance-id",
+                      "spans-0", "--buffer-size-bytes", str(PACKING.buffer_size_bytes),
+                      "--num-buffers", str(PACKING.num_buffers), "--max-epoch-s", str(EPOCH_S))
+    fleet = Fleet([WorkerEndpoint(shim.instance_id, shim.address)], control_timeout_s=STEP_S,
+                  join_timeout_s=EPOCH_S, epoch_timeout_s=EPOCH_S)
+    channel = grpc.insecure_channel(shim.address)
+    link = None
+    try:
+        version, tensors = next_version(trainer)
+        plan = fleet.prepare(info(tensors))
+        link = fleet.connect("127.0.0.1")
+        stub = pb_grpc.RefitServiceStub(channel)
+        stream = stub.UpdateWeights(pb.UpdateWeightsRequest(
+            version=version, plan_digest=plan.digest, group_id=fleet.group_id,
+            instance_id=shim.instance_id, mode=pb.EPOCH_MODE_STAGED), timeout=EPOCH_S)
+        assert next(stream).phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED
+        checksums = StagedDigest(plan)
+        link.sender.send(tensors, Deadline(EPOCH_S), checksums=checksums)
+        assert list(stream)[-1].phase == pb.UPDATE_WEIGHTS_PHASE_STAGED
+
+        completion = SpannedStream(server.url, max_tokens=200)
+        completion.wait_tokens(20, STEP_S)
+        before = len(completion.tokens)
+        done = stub.Flip(pb.FlipRequest(version=version, staged_digest=checksums.hexdigest(),
+                                        instance_id=shim.instance_id, keep_cache=True),
+                         timeout=EPOCH_S)
+        after = len(completion.tokens)
+        trainer["version"] = version
+        completion.thread.join(EPOCH_S)
+        assert completion.error is None, completion.error
+        assert len(completion.tokens) == 200 and completion.finish_reason == "length", completion
+        spans = completion.spans
+        assert spans is not None and [s["version"] for s in spans] == \
+            [str(old_version), str(version)], spans
+        (first, second) = spans
+        assert first["start"] == 0 and first["end"] == second["start"] and second["end"] == 200
+        assert before <= second["start"] <= after, (before, spans, after)
+        print(f"\nkeep_cache flip: stall {done.stall_seconds * 1e3:.0f} ms (load "
+              f"{done.load_seconds * 1e3:.0f} ms); spans {spans}")
+        assert_serves(server.url, trainer["model"], f"v{version} after a keep_cache flip")
     finally:
         channel.close()
         if link is not None:
@@ -752,3 +809,48 @@ def test_the_staged_wire_round_trips_and_refuses_what_a_worker_could_not_use():
     assert StageStatus.from_wire({**status.to_wire(), "newer_field": 1}) == status
     with pytest.raises(ValueError):
         StageStatus.from_wire({**status.to_wire(), "state": "flipping"})
+
+
+def test_a_rollback_serves_the_previous_versions_log_probabilities(server, engine, trainer):
+    """(g) Rollback on vLLM (issue 23, item 4): a reversible staged epoch keeps the worker's
+    committed copy as its previous copy; after the flip to the new version, `restore_previous`
+    and a flip put the previous version back, through the same loader as any flip (the tied
+    head, the experts' packing): vLLM's teacher-forced log-probabilities equal transformers' on
+    the previous weights again, the very numbers it served before the epoch."""
+
+    def staged_epoch(version: int, tensors: dict, keep_previous: bool) -> None:
+        plan = plan_of(tensors)
+        group = form_group(engine, plan)
+        try:
+            staging = Staging(engine, plan, Deadline(EPOCH_S), keep_previous=keep_previous)
+            sent = send(group, plan, tensors)
+            staging.join(EPOCH_S)
+        finally:
+            group.close()
+        assert staging.error is None and staging.digest == sent, staging.error
+        flip(engine, version)
+
+    old_version, tensors = next_version(trainer)
+    staged_epoch(old_version, tensors, keep_previous=False)  # this adapter's committed copy
+    trainer["version"] = old_version
+    assert engine.committed_copy is not None and engine.committed_copy[0] == old_version
+    assert engine.previous_copy is None
+    before = assert_serves(server.url, trainer["model"], f"v{old_version} after the flip")
+    previous_model = copy.deepcopy(trainer["model"])
+
+    version, tensors = next_version(trainer)
+    staged_epoch(version, tensors, keep_previous=True)
+    assert engine.previous_copy is not None and engine.previous_copy[0] == old_version
+    assert_serves(server.url, trainer["model"], f"v{version} after the flip")
+
+    assert engine.restore_previous(Deadline(STEP_S))[0] == old_version
+    stall = flip(engine, old_version)
+    back = assert_serves(server.url, previous_model, f"back on v{old_version}")
+    assert (back - before).abs().max().item() == 0.0, "not the numbers served before the epoch"
+    assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(old_version)}
+    assert engine.committed_copy is not None and engine.committed_copy[0] == old_version
+    assert engine.previous_copy is None  # one step back
+    print(f"rolled back v{version} -> v{old_version}: stall {stall * 1e3:.0f} ms")
+    # What the engine serves (the module's last test: no later epoch reuses `version`, which
+    # a shim would refuse, tests/test_rollback.py).
+    trainer["model"], trainer["version"] = previous_model, old_version

@@ -234,7 +234,7 @@ def _add_bench_parsers(sub: Any) -> None:
     bench.set_defaults(func=_bench)
 
     stall = sub.add_parser("bench-stall", help="the stall streamed generation on a real vLLM "
-                                               "sees, in-place against staged epochs")
+                                               "sees: in-place, staged and keep-cache epochs")
     stall.add_argument("--pairs", type=int, default=5,
                        help="epochs of each mode counted, interleaved, after a warm-up of each")
     stall.add_argument("--streams", type=int, default=4, help="concurrent streamed completions")

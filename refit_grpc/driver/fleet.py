@@ -272,6 +272,8 @@ class Fleet:
             MembershipChangedError: `validate_workers` reports a change.
         """
         epoch, checks = options("update_weights", epoch, checks, deprecated)
+        if isinstance(epoch, Staged):
+            epoch.check_pause_mode(pause_mode)
         plan = self._plan_for("update_weights()", _CONNECTED)
         return self.epochs.open(plan, version, epoch=epoch, checks=checks,
                                 pause_mode=pause_mode, on_progress=on_progress)
@@ -315,6 +317,8 @@ class Fleet:
             FleetError: the flush failed.
         """
         epoch, checks = options("refit", epoch, checks, deprecated)
+        if isinstance(epoch, Staged):
+            epoch.check_pause_mode(pause_mode)
         link.sender.check_tensors(tensors)  # refuse bad input before any shim pauses
         self.catch_ups.settle()
         gone: dict[Member, WorkerFailure] = {}

@@ -44,6 +44,12 @@ class Staged:
             the epoch's checks fail after the flip (the error's `rollback` says what was
             done), or later with `Fleet.rollback()`. Costs a second host copy of the weights
             on each engine; an engine whose last epoch was in place has no copy to keep.
+        keep_cache: the flip keeps the KV cache of the requests it parks (pause mode KEEP)
+            and the prefix cache, so they go on after it without recomputing: the tokens they
+            generate after the flip attend to keys and values the previous version computed
+            (off-policy for the trainer), and vLLM labels each token with the version that
+            sampled it (README, "Keeping the cache across a flip"). An engine that cannot
+            refuses (KEEP_CACHE_UNSUPPORTED, left behind).
 
     Raises:
         InvalidArgumentError: `min_engines` below 1 (INVALID_MIN_ENGINES).
@@ -53,11 +59,19 @@ class Staged:
     min_engines: int | None = None
     delta: bool = False
     reversible: bool = True
+    keep_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.min_engines is not None and self.min_engines < 1:
             raise InvalidArgumentError(f"min_engines must be >= 1, got {self.min_engines}",
                                        reason=Reason.INVALID_MIN_ENGINES)
+
+    def check_pause_mode(self, pause_mode: PauseMode) -> None:
+        """Raises InvalidArgumentError (INVALID_KEEP_CACHE): `keep_cache` with a pause mode
+        other than KEEP, which parks no request whose cache there would be to keep."""
+        if self.keep_cache and pause_mode is not PauseMode.KEEP:
+            raise InvalidArgumentError(f"keep_cache needs pause_mode KEEP, got {pause_mode.value}",
+                                       reason=Reason.INVALID_KEEP_CACHE)
 
     def required(self, members: int) -> int:
         """How many of `members` engines must stage (and flip).

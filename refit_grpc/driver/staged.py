@@ -124,7 +124,7 @@ class StagedRound(RoundParts):
             run.pending = [m for m in retry if m not in lost]
             base = None  # a failed round spent the base (engines' and the trainer's): full
         assert run.digest is not None
-        report = self._finish(run, plan, required, pause_mode, checks, epoch.reversible)
+        report = self._finish(run, plan, required, pause_mode, checks, epoch)
         if epoch.delta:
             # The next delta's base: what every engine that flipped now holds.
             flat = base.flat if base is not None else flat_copy(plan, tensors)
@@ -250,10 +250,10 @@ class StagedRound(RoundParts):
             elif m.instance_id in by_id:
                 run.behind[m] = by_id[m.instance_id]
         return self._finish(run, plan, required, handle.pause_mode, handle.checks,
-                            handle.epoch.reversible)
+                            handle.epoch)
 
     def _finish(self, run: _Staging, plan: RefitPlan, required: int, pause_mode: PauseMode,
-                checks: Checks, reversible: bool) -> EpochReport:
+                checks: Checks, epoch: Staged) -> EpochReport:
         """The decision and the flip of a staged epoch: quorum or nothing, each engine flipped
         once, checked, and (when held paused for the checks) resumed together; a reversible
         epoch whose checks failed is rolled back (`_roll_back_after`)."""
@@ -272,7 +272,8 @@ class StagedRound(RoundParts):
                               "version", list(behind.values()),
                               staged=[m.instance_id for m in run.staged])
         flipped, flip_failures = self._flip_each(version, run.digest, run.staged_as,
-                                                 pause_mode, stay_paused=checks.any)
+                                                 pause_mode, stay_paused=checks.any,
+                                                 keep_cache=epoch.keep_cache)
         behind.update(flip_failures)
         self.membership.leave_behind(behind)
         if len(flipped) < required:
@@ -292,13 +293,13 @@ class StagedRound(RoundParts):
                         if m.instance_id in failed_checks}
             if not rejected or len(flipped) - len(rejected) < required:
                 # The version itself is suspect (or too few engines are right): all go back.
-                if reversible:
+                if epoch.reversible:
                     self._roll_back_after(e, version, flipped, run.staged_as, pause_mode)
                 raise
             # A quorum passed the checks: the version is right and the engines that failed
             # them are at fault. They go back to the previous version (or, without a copy to go
             # back to, stay held paused) and are left behind; the others serve the version.
-            if reversible:
+            if epoch.reversible:
                 rollback = self._roll_back_minority(version, run.digest, rejected, flipped,
                                                     run.staged_as, pause_mode)
             log.warning("epoch %d: %d engines failed the checks and are left behind (%s); %d "
@@ -374,7 +375,7 @@ class StagedRound(RoundParts):
         return report
 
     def _flip_each(self, version: int, digest: str, staged_as: Mapping[Member, str],
-                   pause_mode: PauseMode, stay_paused: bool
+                   pause_mode: PauseMode, stay_paused: bool, keep_cache: bool = False
                    ) -> tuple[dict[Member, pb.FlipResponse], dict[Member, WorkerFailure]]:
         """Flip every engine that staged, in parallel, each once (a Flip that reached its
         shim is not repeated): each answer, or why it did not flip. Each Flip names the
@@ -383,7 +384,8 @@ class StagedRound(RoundParts):
         instance_of = {m.instance_id: staged_as[m] for m in members}
         answers = self.calls.once("Flip", links(members), lambda w: pb.FlipRequest(
             version=version, staged_digest=digest, pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
-            stay_paused=stay_paused, instance_id=instance_of[w.endpoint.instance_id]),
+            stay_paused=stay_paused, instance_id=instance_of[w.endpoint.instance_id],
+            keep_cache=keep_cache),
             self.epochs.config.epoch_timeout_s)
         flipped: dict[Member, pb.FlipResponse] = {}
         failed: dict[Member, WorkerFailure] = {}

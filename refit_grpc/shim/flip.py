@@ -10,11 +10,17 @@ import logging
 import time
 
 from refit_grpc.common import Deadline, PauseMode
-from refit_grpc.errors import EpochAbortedError, FailedPreconditionError, RefitError
+from refit_grpc.errors import (
+    EpochAbortedError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    RefitError,
+)
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.canary import score_canary
 from refit_grpc.shim.core import ShimCore, StagedVersion
+from refit_grpc.shim.engines.base import Engine
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +44,21 @@ def take_staged_locked(core: ShimCore, request: pb.FlipRequest) -> tuple[StagedV
         core.last_error = f"STAGED_DIGEST_MISMATCH: staged version {staged.version} dropped"
         return staged, False
     return staged, True
+
+
+def check_keep_cache(engine: Engine, keep_cache: bool, mode: PauseMode) -> None:
+    """A Flip that keeps the caches: only KEEP parks requests whose KV cache there is to keep,
+    and only an engine that can keep it across its load (refused before anything changes)."""
+    if not keep_cache:
+        return
+    if mode is not PauseMode.KEEP:
+        raise InvalidArgumentError(
+            f"keep_cache keeps the KV cache of the requests a KEEP pause parks; pause_mode "
+            f"{mode.value} parks none", reason=Reason.INVALID_KEEP_CACHE)
+    if not engine.capabilities.keep_cache:
+        raise FailedPreconditionError(
+            f"the {engine.kind} engine cannot keep its caches across a flip",
+            reason=Reason.KEEP_CACHE_UNSUPPORTED)
 
 
 def refuse_mismatch(core: ShimCore, staged: StagedVersion,
@@ -91,14 +112,17 @@ def roll_back(core: ShimCore, request: pb.RollbackRequest, mode: PauseMode,
 
 
 def load(core: ShimCore, staged: StagedVersion, mode: PauseMode, stay_paused: bool,
-         deadline: Deadline, *, resume_paused: bool = False) -> pb.FlipResponse:
+         deadline: Deadline, *, resume_paused: bool = False,
+         keep_cache: bool = False) -> pb.FlipResponse:
     """Pause, load the staged copy, (canary,) clear caches, resume. `resume_paused`: resume even
-    an engine that was paused before (a BROKEN one that a catch-up made whole)."""
+    an engine that was paused before (a BROKEN one that a catch-up made whole). `keep_cache`
+    (checked by `check_keep_cache`): the parked requests keep their KV cache and the prefix
+    cache stays, so they go on after the resume without recomputing (off-policy tokens)."""
     engine = core.engine
     was_paused = engine.is_paused() and not resume_paused
     t_pause = time.monotonic()
     try:
-        engine.pause(mode, deadline)
+        engine.pause(mode, deadline, keep_cache=keep_cache)
     except RefitError:
         # Not paused, nothing loaded: the engine serves the old version, whole.
         engine.drop_staged()
@@ -107,8 +131,9 @@ def load(core: ShimCore, staged: StagedVersion, mode: PauseMode, stay_paused: bo
     canary_result = score_canary(engine, staged.canary, deadline) if staged.canary else None
     with core.lock:
         core.commit_locked(staged.version, canary_result)
-    # The caches hold values computed with the old weights.
-    engine.reset_cache(deadline)
+    if not keep_cache:
+        # The caches hold values computed with the old weights.
+        engine.reset_cache(deadline)
     resumed = not stay_paused and not was_paused
     if resumed:
         engine.resume(deadline)

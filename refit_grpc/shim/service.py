@@ -191,8 +191,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     def Flip(self, request, context):
         """Switch a STAGED engine to its staged version: pause, load the staged copy, (canary,)
-        clear the cache, resume (`flip`). Refusals change nothing, but a digest other than the
-        staged one drops the copy: those bytes are not what the trainer sent."""
+        clear the caches unless asked to keep them, resume (`flip`). Refusals change nothing,
+        but a digest other than the staged one drops the copy: those bytes are not what the
+        trainer sent."""
         core = self._core
         with status_on_error(context, core.record_error):
             deadline = self._deadline(context, self.config.max_epoch_s)
@@ -200,6 +201,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             check_digest_shape(request.staged_digest, "staged_digest")
             check_instance_id(request.instance_id, "instance_id")
             mode = pause_mode(request.pause_mode, PauseMode.KEEP)
+            flip.check_keep_cache(core.engine, request.keep_cache, mode)
             with core.lock:
                 core.admit_locked("Flip", request.instance_id)
                 staged, matches = flip.take_staged_locked(core, request)
@@ -208,7 +210,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             if not matches:
                 raise flip.refuse_mismatch(core, staged, request.staged_digest)
             with flipping:
-                done = flip.load(core, staged, mode, request.stay_paused, deadline)
+                done = flip.load(core, staged, mode, request.stay_paused, deadline,
+                                 keep_cache=request.keep_cache)
             done.state = core.state()
             return done
 

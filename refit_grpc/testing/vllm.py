@@ -123,7 +123,10 @@ def vllm_command(model_dir: str | os.PathLike, port: int, backend: str = "gloo",
             "--served-model-name", SERVED_MODEL, "--dtype", "float32", "--enforce-eager",
             "--max-model-len", "256", "--max-num-seqs", "4", "--host", "127.0.0.1",
             "--port", str(port), "--weight-transfer-config", json.dumps({"backend": backend}),
-            "--enable-prefix-caching", "--enable-prompt-tokens-details", *extra_args]
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            # The token-in/token-out route (/inference/v1/generate), whose outputs carry the
+            # weight version spans of a completion that crosses a flip.
+            "--enable-scale-out", *extra_args]
 
 
 # vLLM and Dynamo cannot bind port 0 and report the port they got, so a port picked here

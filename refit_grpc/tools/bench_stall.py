@@ -1,18 +1,21 @@
-"""The stall a user of a real vLLM engine feels during a refit, in place against staged.
+"""The stall a user of a real vLLM engine feels during a refit: in place, staged, and staged with
+the cache kept across the flip.
 
 One vLLM CPU server of a small Llama, a real `refit-grpc shim --engine vllm` process in front of
 it and a one-worker `Fleet` (`refit_grpc.testing.harness.Run`). A load generator in a process of
 its own keeps a few streamed completions running (`/v1/completions`, `stream: true`, restarted as
 they finish) and records when every token arrives; meanwhile the trainer refits the engine with
-trained-looking versions (the checkpoint plus small noise), in-place and staged epochs
-interleaved after one warm-up of each, with a steady stretch between epochs.
+trained-looking versions (the checkpoint plus small noise), in-place, staged and keep-cache
+epochs (staged, `Staged(keep_cache=True)`: the parked requests keep their KV cache across the
+flip) interleaved after one warm-up of each, with a steady stretch between epochs.
 
 Per epoch: the longest gap between two consecutive tokens of one streamed request that overlaps
 the epoch (the stall a user sees), the engine's own stall (in place: the whole `refit()` with its
 flush, the engine paused from UpdateWeights to the flush's resume; staged: the flip, pause to
 resume, from the report), the flip's load, the epoch's time, and the tokens per second during the
 epoch against steady state (the stretches away from every epoch). Prints the table and the
-ratios against the goals (staged stall <= 0.3x in place; staged stall <= 1.2x the flip's load)
+ratios against the goals (staged stall <= 0.3x in place; staged stall <= 1.2x the flip's load;
+with the cache kept, the longest token gap <= 2x the steady token gap plus the engine's stall)
 and draws the tokens over time with every epoch's phases (matplotlib, imported only to draw).
 A benchmark: it reports and asserts nothing.
 """
@@ -34,7 +37,8 @@ from typing import Any
 from refit_grpc.driver.options import InPlace, Staged
 from refit_grpc.testing.harness import Run, run_reported
 
-IN_PLACE, STAGED = "in_place", "staged"
+IN_PLACE, STAGED, KEEP_CACHE = "in_place", "staged", "keep_cache"
+MODES = (IN_PLACE, STAGED, KEEP_CACHE)
 # Tokens around an epoch that count neither for it nor for steady state: the engine catches up
 # right after a resume (a burst), and the trainer's own work is not steady state either.
 MARGIN_S = 0.5
@@ -48,7 +52,7 @@ class Epoch:
     """One refit, as the trainer saw it.
 
     Args:
-        mode: `IN_PLACE` or `STAGED`.
+        mode: `IN_PLACE`, `STAGED` or `KEEP_CACHE` (staged, the cache kept across the flip).
         version: the version it made the engine serve.
         start: `time.monotonic()` when `refit()` was called.
         end: when it returned (in place: after the flush).
@@ -221,8 +225,10 @@ def report_lines(an: Analysis) -> list[str]:
               "longest token gap ms | next token after resume ms | tokens/s in epoch vs steady |",
               "|---|---|---|---|---|---|---|---|"]
     med: dict[str, dict[str, float]] = {}
-    for mode in (IN_PLACE, STAGED):
+    for mode in MODES:
         stats = an.of(mode)
+        if not stats:
+            continue
         m = med[mode] = {
             "epoch": _median([s.epoch.seconds for s in stats]),
             "stall": _median([s.epoch.stall_s for s in stats]),
@@ -243,6 +249,12 @@ def report_lines(an: Analysis) -> list[str]:
               f"{st['gap'] / ip['gap']:.2f}x",
               f"staged stall / the flip's own load: {per_epoch:.2f}x (median per epoch; "
               "goal <= 1.2x)"]
+    if KEEP_CACHE in med:
+        kc = med[KEEP_CACHE]
+        bound = 2 * an.steady_median_gap_s + kc["stall"]
+        lines += [f"keep-cache longest token gap / (2x steady gap + its stall): "
+                  f"{kc['gap'] / bound:.2f}x (goal <= 1x); against staged's longest gap: "
+                  f"{kc['gap'] / st['gap']:.2f}x"]
     return lines
 
 
@@ -372,7 +384,8 @@ def run_stall_bench(pairs: int = 5, streams: int = 4, max_tokens: int = 240, hid
     """Runs the bench (module docstring) and prints its table; returns the exit status.
 
     Args:
-        pairs: in-place and staged epochs counted, each (after one warm-up of each).
+        pairs: in-place, staged and keep-cache epochs counted, each (after one warm-up of
+            each).
         streams: concurrent streamed completions.
         max_tokens: per completion (the server's context is 256 tokens).
         hidden: the model's width.
@@ -426,7 +439,7 @@ def _measure(run: Run, result: dict[str, Any], pairs: int, streams: int, max_tok
             for n, t in load_hf_model(model_dir).state_dict().items()}
     plan = fleet.prepare({n: (t.shape, t.dtype) for n, t in base.items()})
     run.link = link = fleet.connect("127.0.0.1")
-    schedule = [(IN_PLACE, True), (STAGED, True)] + [(IN_PLACE, False), (STAGED, False)] * pairs
+    schedule = [(mode, True) for mode in MODES] + [(mode, False) for mode in MODES] * pairs
     weights = versions(base, len(schedule), scale)
     title = (f"Llama {hidden}x{layers}, {plan.total_bytes / 1e6:.1f} MB fp32, "
              f"{len(plan.buckets)} buckets; {streams} streams")
@@ -440,7 +453,8 @@ def _measure(run: Run, result: dict[str, Any], pairs: int, streams: int, max_tok
             version = i + 1
             start = time.monotonic()
             report = fleet.refit(link, weights[i], version=version,
-                                 epoch=InPlace() if mode == IN_PLACE else Staged())
+                                 epoch=InPlace() if mode == IN_PLACE else
+                                 Staged(keep_cache=mode == KEEP_CACHE))
             end = time.monotonic()
             if mode == IN_PLACE:
                 epochs.append(Epoch(mode, version, start, end, end - start, warmup=warmup))
@@ -507,22 +521,23 @@ def draw(requests: Sequence[Sequence[float]], epochs: Sequence[Epoch], t0: float
 
     streams = _per_stream(requests)
     fig = plt.figure(figsize=(14, 9))
-    grid = fig.add_gridspec(2, 2, height_ratios=[1, 1])
+    grid = fig.add_gridspec(2, len(MODES), height_ratios=[1, 1])
     top = fig.add_subplot(grid[0, :])
     for i, s in enumerate(streams):
         top.plot([t - t0 for t in s], range(1, len(s) + 1), lw=0.8, label=f"stream {i}")
     _shade(top, epochs, t0)
     for e in epochs:
-        top.text(e.start - t0, 0, "P" if e.mode == IN_PLACE else "S", fontsize=7, va="bottom")
+        top.text(e.start - t0, 0, {IN_PLACE: "P", STAGED: "S", KEEP_CACHE: "K"}[e.mode],
+                 fontsize=7, va="bottom")
     top.set_xlim(0, t1 - t0)
     top.set_xlabel("seconds")
     top.set_ylabel("tokens streamed (cumulative)")
-    top.set_title(f"{title}: in place (P) and staged (S) interleaved")
+    top.set_title(f"{title}: in place (P), staged (S) and keep-cache (K) interleaved")
     top.legend(handles=[Patch(color=_COLOURS["pause"], alpha=0.3, label="in place: paused"),
                         Patch(color=_COLOURS["staging"], alpha=0.15, label="staged: staging"),
                         Patch(color=_COLOURS["flip"], alpha=0.5, label="staged: flip")],
                loc="upper left", fontsize=8)
-    for col, mode in enumerate((IN_PLACE, STAGED)):
+    for col, mode in enumerate(MODES):
         ax = fig.add_subplot(grid[1, col])
         counted = sorted((e for e in epochs if e.mode == mode and not e.warmup),
                          key=lambda e: e.stall_s)
@@ -548,6 +563,6 @@ def draw(requests: Sequence[Sequence[float]], epochs: Sequence[Epoch], t0: float
     return path
 
 
-__all__ = ["IN_PLACE", "STAGED", "Analysis", "Epoch", "EpochStats", "analyze", "classify",
-           "draw", "gaps", "longest_gap", "report_lines", "resume_lag", "run_stall_bench",
-           "steady_windows", "tokens_between"]
+__all__ = ["IN_PLACE", "KEEP_CACHE", "MODES", "STAGED", "Analysis", "Epoch", "EpochStats",
+           "analyze", "classify", "draw", "gaps", "longest_gap", "report_lines", "resume_lag",
+           "run_stall_bench", "steady_windows", "tokens_between"]

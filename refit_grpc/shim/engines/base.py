@@ -60,6 +60,9 @@ class Capabilities:
             version and `restore_previous` makes it the copy a flip loads: a reversible
             epoch can be rolled back (else ROLLBACK_UNSUPPORTED, and epochs are not kept
             reversible).
+        keep_cache: `pause(..., keep_cache=True)` keeps the KV cache of the requests it parks
+            and the prefix cache, and the engine does not need `reset_cache` after a flip:
+            a Flip with `keep_cache` (else KEEP_CACHE_UNSUPPORTED).
     """
 
     canary: bool = False
@@ -67,6 +70,7 @@ class Capabilities:
     delta: bool = False
     serving_copy: bool = False
     rollback: bool = False
+    keep_cache: bool = False
 
 
 class Engine(ABC):
@@ -127,7 +131,7 @@ class Engine(ABC):
         """
 
     @abstractmethod
-    def pause(self, mode: PauseMode, deadline: Deadline) -> None:
+    def pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool = False) -> None:
         """Stop generation so weights may change; returns once no forward step runs.
 
         KEEP parks in-flight requests (they continue after resume), WAIT lets them finish first,
@@ -137,6 +141,8 @@ class Engine(ABC):
         Args:
             mode: what happens to in-flight requests.
             deadline: when it must have returned or raised.
+            keep_cache: keep the parked requests' KV cache and the prefix cache (only with
+                `Capabilities.keep_cache`); by default the engine may drop them here.
 
         Raises:
             RefitError: the engine could not pause (e.g. `RefitTimeoutError`,

@@ -274,7 +274,7 @@ class HttpEngine(Engine):
         return error_for(reply, what, kind)
 
     @abstractmethod
-    def _post_pause(self, mode: PauseMode, deadline: Deadline) -> None: ...
+    def _post_pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool) -> None: ...
 
     @abstractmethod
     def _post_resume(self, deadline: Deadline) -> None: ...
@@ -349,8 +349,8 @@ class HttpEngine(Engine):
         with self._lock:
             return self._receiving or self._touched
 
-    def pause(self, mode: PauseMode, deadline: Deadline) -> None:
-        self._post_pause(mode, deadline)
+    def pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool = False) -> None:
+        self._post_pause(mode, deadline, keep_cache)
         with self._lock:
             self._paused = True
 

@@ -200,7 +200,9 @@ class ReferenceEngine(Engine):
 
     # --- serving ---------------------------------------------------------------------------
 
-    def pause(self, mode: PauseMode, deadline: Deadline) -> None:
+    def pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool = False) -> None:
+        # Nothing to drop here: the tiny LM keeps no KV cache (each step runs the whole
+        # sequence) and its prefix cache is cleared by reset_cache, which a keep_cache flip skips.
         self._gate.pause(mode, deadline)
 
     def resume(self, deadline: Deadline) -> None:
@@ -245,7 +247,7 @@ class ReferenceEngine(Engine):
     def capabilities(self) -> Capabilities:
         """Everything; a canary only with a model (store mode computes no log-probabilities)."""
         return Capabilities(canary=self._model is not None, staging=True, delta=True,
-                            serving_copy=True, rollback=True)
+                            serving_copy=True, rollback=True, keep_cache=True)
 
     def canary_logprobs(self, token_ids: Sequence[int], deadline: Deadline) -> list[float]:
         """One forward of the model over the whole sequence; the pause gate is not entered:

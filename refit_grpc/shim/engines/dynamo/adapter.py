@@ -197,8 +197,10 @@ class DynamoEngine(HttpEngine):
             return
         index.check_plan(plan, engine="Dynamo's vLLM worker")
 
-    def _post_pause(self, mode: PauseMode, deadline: Deadline) -> None:
-        self._post(routes.PAUSE, {"mode": mode.value, "clear_cache": True}, deadline,
+    def _post_pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool) -> None:
+        # keep_cache is not offered on Dynamo (Capabilities): what its frontend does with
+        # requests that span a flip is not measured here.
+        self._post(routes.PAUSE, {"mode": mode.value, "clear_cache": not keep_cache}, deadline,
                    cap_s=math.inf if mode is PauseMode.WAIT else None)
 
     def _post_resume(self, deadline: Deadline) -> None:

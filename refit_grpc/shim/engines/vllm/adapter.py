@@ -131,11 +131,12 @@ class VLLMEngine(HttpEngine):
         """A canary (prompt_logprobs); staging over the project's gloo backend, whose workers
         receive on a thread beside the engine loop; vLLM's own nccl backend has no such
         receive (docs/vllm.md, Staged epochs), whose workers keep the copy a flip loaded as
-        their committed copy: delta epochs apply onto it and catch-ups are served from it."""
+        their committed copy: delta epochs apply onto it and catch-ups are served from it.
+        Keeping the caches across a flip is vLLM's own pause (clear_cache=false), any backend."""
         with self._lock:
             gloo = self._backend == "gloo"
         return Capabilities(canary=True, staging=gloo, delta=gloo, serving_copy=gloo,
-                            rollback=gloo)
+                            rollback=gloo, keep_cache=True)
 
     @property
     def world_size(self) -> int:
@@ -206,10 +207,13 @@ class VLLMEngine(HttpEngine):
             return
         index.check_plan(plan)
 
-    def _post_pause(self, mode: PauseMode, deadline: Deadline) -> None:
+    def _post_pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool) -> None:
         # Draining (wait) takes as long as the requests in flight: bounded by the deadline only.
+        # clear_cache=false: the parked requests keep their KV blocks and continue without
+        # recomputing after the resume (vLLM's in-flight weight update).
         self._http.call("POST", "/pause", deadline, what=f"pause({mode.value})",
-                        query={"mode": mode.value, "clear_cache": "true"},
+                        query={"mode": mode.value,
+                               "clear_cache": "false" if keep_cache else "true"},
                         cap_s=math.inf if mode is PauseMode.WAIT else None)
 
     def _post_resume(self, deadline: Deadline) -> None:
