@@ -10,6 +10,7 @@ import pytest
 
 from refit_grpc.tools.bench_stall import (
     IN_PLACE,
+    KEEP_CACHE,
     STAGED,
     Epoch,
     _per_stream,
@@ -111,6 +112,18 @@ def test_the_report_gives_medians_without_warm_ups_and_the_ratios_to_the_goals()
     # Per epoch 0.1/0.08 = 1.25 and 0.12/0.1 = 1.2: median 1.225.
     assert "staged stall / the flip's own load: 1.23x" in text
     assert "| 0 (warm-up) | in_place |" in text
+    assert "keep_cache" not in text  # no keep-cache epoch, no row and no ratio
+
+
+def test_the_report_gives_the_keep_cache_gap_against_its_goal():
+    """Steady gap 10 ms; a keep-cache epoch whose stall is 60 ms and whose longest gap is
+    100 ms (the flip): 0.100 / (2 x 0.010 + 0.060) = 1.25x the goal's bound."""
+    requests = [ticks(0.0, 4.0, 0.01) + [4.1] + ticks(4.1, 30.0, 0.01)[1:]]
+    epochs = [Epoch(IN_PLACE, 1, 10.0, 10.5, 0.5), Epoch(STAGED, 2, 14.0, 14.6, 0.06, 0.04),
+              Epoch(KEEP_CACHE, 3, 3.5, 4.2, 0.06, 0.04)]
+    text = "\n".join(report_lines(analyze(requests, epochs, 0.0, 30.0)))
+    assert "| keep_cache | 1 | 700 | 60 | 40 | 100 |" in text, text
+    assert "keep-cache longest token gap / (2x steady gap + its stall): 1.25x" in text, text
 
 
 def test_requests_chain_back_into_streams():
