@@ -520,7 +520,7 @@ def draw(requests: Sequence[Sequence[float]], epochs: Sequence[Epoch], t0: float
     from matplotlib.patches import Patch
 
     streams = _per_stream(requests)
-    fig = plt.figure(figsize=(14, 9))
+    fig = plt.figure(figsize=(6 * len(MODES), 9))
     grid = fig.add_gridspec(2, len(MODES), height_ratios=[1, 1])
     top = fig.add_subplot(grid[0, :])
     for i, s in enumerate(streams):
