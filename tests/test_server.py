@@ -40,6 +40,25 @@ def test_health_and_sigterm_exit_cleanly(shim_procs):
     assert time.monotonic() - t0 < 10
 
 
+def test_stop_signals_arriving_throughout_the_stop_still_end_the_shim_cleanly(shim_procs):
+    """A parent's death signal followed by a supervisor's SIGTERM once hung a shim for good: the
+    handler took locks (an event's, the health servicer's) that the main thread, interrupted
+    below it, already held. Signals keep arriving here, SIGTERM and SIGINT mixed, back to back
+    through the whole graceful stop; the shim must still end with status 0."""
+    procs = [shim_procs() for _ in range(3)]
+    end = time.monotonic() + 20
+    i = 0
+    while any(p.proc.poll() is None for p in procs) and time.monotonic() < end:
+        for p in procs:
+            try:
+                p.signal(signal.SIGINT if i % 5 == 4 else signal.SIGTERM)
+            except ProcessLookupError:  # it ended
+                pass
+        i += 1
+    for p in procs:
+        assert p.proc.poll() == 0, f"{p.instance_id}: {p.proc.returncode} after {i} rounds"
+
+
 def test_a_killed_parent_leaves_no_shim_behind_and_sigusr1_dumps_stacks():
     """A demo or test run killed outright must not orphan its shims (they would hold ports and
     memory on a CI host): spawn_shim ties each child to its parent's life."""

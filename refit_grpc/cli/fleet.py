@@ -328,20 +328,15 @@ def _watch(fleet, args, out) -> int:
     """`status --watch`: a round every `args.watch` seconds until SIGINT or SIGTERM; exits with
     the last round's status.
 
-    The signals set an event rather than raise KeyboardInterrupt: an exception raised wherever
-    the main thread happens to be (inside the fleet's pool or a lock) can leave the fleet
-    half-stopped so that closing it hangs. A round in flight finishes (its calls have deadlines)."""
-    import signal
-    import threading
+    The signals are recorded (refit_grpc.signals) rather than raise KeyboardInterrupt: an
+    exception raised wherever the main thread happens to be (inside the fleet's pool or a lock) can
+    leave the fleet half-stopped so that closing it hangs. A round in flight finishes (its calls
+    have deadlines)."""
+    from refit_grpc.signals import StopSignals
 
-    stop = threading.Event()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():  # only it may set handlers
-        previous = {s: signal.signal(s, lambda *_: stop.set())
-                    for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
-    try:
-        while not stop.is_set():
+    with StopSignals() as stop:
+        while not stop.received:
             change = _follow_workers_file(fleet, args)
             if not args.json:
                 if out.isatty():
@@ -354,9 +349,6 @@ def _watch(fleet, args, out) -> int:
             if not args.json:
                 print(file=out, flush=True)
             stop.wait(args.watch)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     return code
 
 

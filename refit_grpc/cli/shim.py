@@ -81,6 +81,11 @@ def run_shim(args: argparse.Namespace) -> int:
             check_metrics_exposure(host, allow_insecure=args.insecure_listen)
         except MetricsAddressError as e:
             raise SystemExit(str(e)) from None
+    from refit_grpc.signals import StopSignals
+
+    # Installed before the READY line: a supervisor's SIGTERM right after it must stop us
+    # gracefully, not end us with the default handler's status.
+    signals = StopSignals().install()
     server = ShimServer(engine, ShimConfig(**config_kwargs),
                         ServerOptions(address=args.address, grace_s=args.grace_s,
                                       metrics_address=args.metrics_address),
@@ -90,7 +95,7 @@ def run_shim(args: argparse.Namespace) -> int:
     if server.metrics is not None:
         print(f"{METRICS_PREFIX}http://{server.metrics.address}/metrics", flush=True)
     print(f"{READY_PREFIX}{server.address} {server.servicer.config.instance_id}", flush=True)
-    server.serve_until_signal()
+    server.serve_until_signal(signals)
     return 0
 
 

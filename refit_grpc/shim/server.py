@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import signal
 import threading
 import time
 import weakref
@@ -24,6 +23,7 @@ from refit_grpc.shim import reflection
 from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.service import RefitServicer, ShimConfig
 from refit_grpc.shim.status import status_for, status_on_error
+from refit_grpc.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -282,19 +282,15 @@ class ShimServer:
     def wait(self) -> None:
         self._server.wait_for_termination()
 
-    def serve_until_signal(self) -> None:
-        """Block until SIGTERM/SIGINT, then stop gracefully (exit status 0)."""
-        got = threading.Event()
-
-        def on_signal(signum, _frame):
-            log.info("signal %d: stopping (grace %.0fs)", signum, self.options.grace_s)
-            self.health.enter_graceful_shutdown()  # NOT_SERVING before anything else
-            got.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        while not got.wait(0.5):
-            pass
+    def serve_until_signal(self, signals: StopSignals | None = None) -> None:
+        """Block until SIGTERM/SIGINT, then stop gracefully (exit status 0). Pass `signals`
+        installed before the process announced itself, so that a signal sent at once is not
+        fatal. The handlers stay installed to the process's end: a signal during or after the
+        stop is recorded, never fatal, so the exit status stays the stop's."""
+        signals = signals or StopSignals().install()
+        signals.wait()
+        log.info("signal %d: stopping (grace %.0fs)", signals.first, self.options.grace_s)
+        self.health.enter_graceful_shutdown()  # NOT_SERVING before anything else
         # Nothing blocks forever, the exit included: past the grace and the server's own stop
         # budget, every thread's stack goes to stderr and the process ends with status 1.
         faulthandler.dump_traceback_later(self.options.grace_s + _EXIT_BUDGET_S, exit=True)
