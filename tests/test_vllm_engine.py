@@ -1,5 +1,6 @@
-"""A real vLLM behind the shim: one CPU vLLM server for the module (plus one restart), a real
-`refit-grpc shim --engine vllm` process in front of it, and `Fleet` as the trainer's driver.
+"""A real vLLM behind the shim: the session's shared CPU vLLM server of the tiny model (restarted
+once, and handed back to the session), a real `refit-grpc shim --engine vllm` process in front of
+it, and `Fleet` as the trainer's driver.
 
 Order matters and is the file's order: refits, a stale version, a peer's refusal, a trainer gone
 before the first byte, an operator's Abort, Flush on a busy engine, the cycle timing, and last
@@ -23,7 +24,7 @@ from vllm_support.servers import module_pool
 
 require_vllm()
 
-# The first test starts the module's vLLM server (about a minute), the last restarts it.
+# The first test may start the session's vLLM server (about a minute), the last restarts it.
 pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
 from refit_grpc import (  # noqa: E402
@@ -58,9 +59,10 @@ def pool(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rig(pool):
+def rig(pool, vllm_servers):
     return pool.rig("vllm-0", tiny_model_dir(), buffer_size_bytes=BUFFER,
-                    epoch_timeout_s=EPOCH_S).ready()
+                    epoch_timeout_s=EPOCH_S,
+                    server=vllm_servers.server(tiny_model_dir())).ready()
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +322,7 @@ def test_refit_cycle_through_the_shim_next_to_the_same_cycle_posted_directly(
 
 
 def test_engine_killed_mid_receive_fails_typed_then_a_restart_is_refit_through_the_same_shim(
-        pool, server, shim, fleet, trainer):
+        vllm_servers, server, shim, fleet, trainer):
     weights = new_weights(trainer["weights"], seed=trainer["version"] + 100)
     link, handle = fleet_mid_epoch(fleet, weights, trainer["version"] + 1)
     plan = fleet.plan
@@ -355,7 +357,7 @@ def test_engine_killed_mid_receive_fails_typed_then_a_restart_is_refit_through_t
     assert not d.engine_healthy and d.state == pb.SHIM_STATE_BROKEN
 
     # A new vLLM on the same port: the shim sees it, and a full epoch makes it whole.
-    restarted = pool.start(tiny_model_dir(), port=server.port)
+    restarted = vllm_servers.restart(server)  # the session's from now on
     wait_health(shim.address, health_pb2.HealthCheckResponse.SERVING, 10)
     fleet.prepare(info(trainer["model"].state_dict()))  # the same plan: allowed in BROKEN, a no-op
     link = fleet.connect("127.0.0.1")

@@ -74,6 +74,17 @@ class SharedServers:
                 return
         raise KeyError("not a shared server")
 
+    def restart(self, old: VLLMServer, ready_timeout_s: float = 300.0) -> VLLMServer:
+        """A new server of `old`'s configuration on `old`'s port, for a module that killed `old`
+        (a crash test): it takes `old`'s place, so later modules get it, and the session stops it."""
+        new = VLLMServer(old.model_dir, old.port, self.log_dir / f"shared-{self.starts}.log",
+                         extra_args=old.extra_args, env=old.env)
+        self.replace(old, new)  # before the start: stop_all reaches it even if the start fails
+        new.start()
+        new.wait_ready(ready_timeout_s)
+        self.starts += 1
+        return new
+
     def _reset(self, server: VLLMServer, model_dir: Path, dtype: str) -> bool:
         import torch
 
