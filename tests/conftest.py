@@ -72,6 +72,19 @@ def vllm_servers(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def dynamo_deployment(tmp_path_factory):
+    """The session's shared Dynamo worker and frontend (`dynamo_support.SharedDynamo`), started
+    by the first module that asks; at the session's end none of their processes may survive."""
+    from dynamo_support import SharedDynamo
+
+    shared = SharedDynamo(tmp_path_factory.mktemp("dynamo-shared"))
+    yield shared
+    survivors = shared.stop_all()
+    print(f"\nshared Dynamo deployments: {shared.starts} started")
+    assert not survivors, f"shared Dynamo processes outlived the session: {survivors}"
+
+
+@pytest.fixture(scope="session")
 def shim_forks():
     """The session's fork server for shim processes (`refit_grpc.testing.forked_shims`): it has
     imported torch and the shim once, so a shim starts in milliseconds, not the 2-3 s (10-20 s on

@@ -13,16 +13,13 @@ log-probabilities) and a real `refit-grpc shim --engine dynamo` process in front
     NOT_STAGED), the worker was never paused and still serves the last flipped version, and the
     next staged epoch goes through.
 
-One set of processes for the module (about 40-60 s to start); the teardown proves that no
-process survived.
+The worker and the frontend are the session's shared ones (tests/conftest.py), serving their
+checkpoint when this module takes them; the session's end proves that no process survived.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -47,7 +44,6 @@ from refit_grpc.staging import StagedDigest  # noqa: E402
 from refit_grpc.testing.dynamo import (  # noqa: E402
     DynamoFrontend,
     DynamoWorker,
-    build_dynamo_model,
     frontend_logprobs,
 )
 
@@ -70,14 +66,10 @@ PACE_S = 0.3  # the trainer's pause after each bucket: a staging window to look 
 class Rig:
     """The module's processes, the trainer's model and what the worker serves."""
 
-    def __init__(self, logs: Path):
-        self.logs = logs
-        self.model_dir = build_dynamo_model(logs / "tiny")
-        self.discovery_dir = logs / "discovery"
-        self.discovery_dir.mkdir()
-        self.started: list = []
-        self.worker: DynamoWorker | None = None
-        self.frontend: DynamoFrontend | None = None
+    def __init__(self, deployment: dict):
+        self.model_dir = deployment["model_dir"]
+        self.worker: DynamoWorker = deployment["worker"]
+        self.frontend: DynamoFrontend = deployment["frontend"]
         self.shim: ShimProcess | None = None
         self.model = load_model(self.model_dir)      # the trainer's, trained in place
         self.scratch = load_model(self.model_dir)    # transformers on any weights
@@ -114,43 +106,18 @@ class Rig:
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory):
-    rig = Rig(tmp_path_factory.mktemp("dynamo-staged"))
+def rig(dynamo_deployment):
+    """The session's Dynamo worker (OpenMP threads on core 0, so the streams and the trainer
+    have the other) serving its checkpoint, and a shim in front of it."""
+    rig = Rig(dynamo_deployment.get(fresh=True, changed=True))
+    rig.shim = spawn_shim("--engine", "dynamo", "--engine-url", rig.worker.url,
+                          "--instance-id", "dynamo-staged-0", "--buffer-size-bytes",
+                          str(BUFFER), "--num-buffers", "2", "--max-epoch-s", str(EPOCH_S))
     try:
-        t0 = time.monotonic()
-        rig.worker = DynamoWorker(rig.model_dir, rig.discovery_dir,
-                                  log_path=rig.logs / "worker.log", cpu_bind="0")
-        rig.started.append(rig.worker)
-        rig.worker.start()
-        rig.frontend = DynamoFrontend(rig.discovery_dir, log_path=rig.logs / "frontend.log")
-        rig.started.append(rig.frontend)
-        rig.frontend.start()
-        rig.worker.wait_ready(300)
-        rig.frontend.wait_ready(60)
-        rig.frontend.wait_for([rig.worker.url])
-        print(f"a Dynamo worker and the frontend ready in {time.monotonic() - t0:.1f}s")
-        rig.shim = spawn_shim("--engine", "dynamo", "--engine-url", rig.worker.url,
-                              "--instance-id", "dynamo-staged-0", "--buffer-size-bytes",
-                              str(BUFFER), "--num-buffers", "2", "--max-epoch-s", str(EPOCH_S))
         yield rig
     finally:
-        shim_left = []
-        if rig.shim is not None:
-            rig.shim.stop()
-            shim_left = [rig.shim.pid] if rig.shim.proc.poll() is None else []
-        with ThreadPoolExecutor(len(rig.started) or 1) as pool:  # each stop waits for its exit
-            list(pool.map(lambda p: p.stop(), rig.started))
-        left = [pid for p in rig.started for pid in p.group_pids() if _alive(pid)]
-        assert not shim_left and not left, \
-            f"processes outlived the module: shim {shim_left}, Dynamo {left}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        rig.shim.stop()
+        assert rig.shim.proc.poll() is not None, f"the shim {rig.shim.pid} outlived the module"
 
 
 def dynamo_version(rig: Rig):

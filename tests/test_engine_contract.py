@@ -4,8 +4,8 @@ Dynamo engine in front of a real NVIDIA Dynamo vLLM worker (with Dynamo's fronte
 
 Every test drives the engine directly, as the shim does, with real processes and real gloo groups:
 the trainer is `Group.join` as rank 0 plus `Sender`. Adding an engine means adding one
-`Subject` below; every contract item then runs on it. The vLLM server is started once for the
-module, on the first vLLM case, and the Dynamo worker on the first Dynamo case; where vLLM or
+`Subject` below; every contract item then runs on it. The vLLM server and the Dynamo worker are
+the session's shared ones (tests/conftest.py), taken on the first case of each; where vLLM or
 Dynamo's venv is not installed only those cases skip.
 """
 
@@ -165,33 +165,18 @@ def dynamo_subject(rig: dict) -> Subject:
 
 
 @pytest.fixture(scope="module")
-def dynamo_rig(tmp_path_factory) -> Iterator[dict]:
-    """One Dynamo worker and the frontend (file discovery) for the module's Dynamo cases."""
+def dynamo_rig(dynamo_deployment) -> dict:
+    """The session's Dynamo worker and frontend (file discovery) for the module's Dynamo cases,
+    whatever weights it serves (every case sends its own); the weights as the trainer holds them."""
     require_vllm()  # the trainer's transformers
     require_dynamo()  # skips the Dynamo cases only, with the stated reason
-    from refit_grpc.testing.dynamo import DynamoFrontend, DynamoWorker, build_dynamo_model
     from refit_grpc.testing.vllm import PROMPT, hf_greedy, load_hf_model
 
-    logs = tmp_path_factory.mktemp("dynamo")
-    model_dir = build_dynamo_model(logs / "tiny")
-    (logs / "discovery").mkdir()
-    worker = DynamoWorker(model_dir, logs / "discovery", log_path=logs / "worker.log")
-    frontend = DynamoFrontend(logs / "discovery", log_path=logs / "frontend.log")
-    try:
-        worker.start()
-        frontend.start()
-        worker.wait_ready(300)
-        frontend.wait_ready(60)
-        frontend.wait_for([worker.url])
-        model = load_hf_model(model_dir)
-        yield {"worker": worker, "frontend": frontend, "model": model,
-               "base": {n: t.detach().clone() for n, t in model.state_dict().items()},
-               "before": hf_greedy(model, PROMPT, GEN)}
-    finally:
-        for p in (frontend, worker):
-            p.stop()
-        left = worker.group_pids() + frontend.group_pids()
-        assert not left, f"Dynamo processes outlived the module: {left}"
+    deployment = dynamo_deployment.get(fresh=False, changed=True)
+    model = load_hf_model(deployment["model_dir"])
+    return {**deployment, "model": model,
+            "base": {n: t.detach().clone() for n, t in model.state_dict().items()},
+            "before": hf_greedy(model, PROMPT, GEN)}
 
 
 @pytest.fixture(params=ENGINES)
