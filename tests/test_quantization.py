@@ -74,8 +74,8 @@ def test_weights_on_the_int8_grid_are_kept_exactly_and_tokens_are_quantized():
             q[..., 0] = 127  # each row's largest: its scale is exactly 0.25
             w.copy_(q * 0.25)
     experts = emulate_quantization(model, INT8_MOE).experts
-    assert torch.equal(experts._gate_up_proj_int8_dequantized, model.experts.gate_up_proj)
-    assert torch.equal(experts._down_proj_int8_dequantized, model.experts.down_proj)
+    assert torch.equal(experts.gate_up_proj_int8_dequantized, model.experts.gate_up_proj)
+    assert torch.equal(experts.down_proj_int8_dequantized, model.experts.down_proj)
     index, weights = routing()
     tokens = torch.randn(5, 8)
     with torch.no_grad():

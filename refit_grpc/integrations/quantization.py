@@ -89,7 +89,7 @@ def _quantize_expert_weights(module: torch.nn.Module) -> None:
         for e in range(weight.shape[0]):
             q, scales = int8_rows(weight[e])
             dequantized[e] = q.float() * scales.unsqueeze(1)
-        setattr(module, f"_{name}_int8_dequantized", dequantized)
+        setattr(module, f"{name}_int8_dequantized", dequantized)
 
 
 def _int8_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ def _int8_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: t
     and quantized per token again before the down projection."""
     dtype = hidden_states.dtype
     out = torch.zeros(hidden_states.shape, dtype=torch.float32)
-    gate_up, down = self._gate_up_proj_int8_dequantized, self._down_proj_int8_dequantized
+    gate_up, down = self.gate_up_proj_int8_dequantized, self.down_proj_int8_dequantized
     experts = gate_up.shape[0]
     for e in range(experts):
         token_idx, k_pos = torch.where(top_k_index == e)
