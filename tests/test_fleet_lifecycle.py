@@ -1,4 +1,4 @@
-"""The driver owns what it starts: `Fleet.close()` ends open epochs and joins their threads, and
+"""The driver owns what it starts: `Fleet.close()` ends open epochs and its one I/O thread, and
 properties do no I/O (the packing is negotiated by a method, never by an attribute read)."""
 
 from __future__ import annotations
@@ -9,28 +9,33 @@ import time
 import pytest
 
 from refit_grpc import EpochRefusedError, Fleet, Packing, WorkerEndpoint
+from refit_grpc.driver.epoch import StreamPhase
 from refit_grpc.driver.failures import odd_digests
 from refit_grpc.shim.engines.reference import ReferenceEngine
 
 from support import endpoints, fleet_mid_epoch, tensors_v
 
 
-def epoch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("epoch-stream")]
+def driver_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("refit-io")}
 
 
 def test_close_ends_an_open_epoch_and_joins_its_threads(shim):
     shims = [shim(ReferenceEngine(model=None)) for _ in range(2)]
+    before = driver_threads()
     fleet = Fleet(endpoints(shims, "w"),
                   packing=Packing(4096, 2), epoch_timeout_s=60)
     link, handle = fleet_mid_epoch(fleet, tensors_v(2), 2, committed=tensors_v(1))
-    assert len(epoch_threads()) == 2 and not handle.closed
+    # Two streams are open, on the fleet's one I/O thread: no thread per stream.
+    (io_thread,) = driver_threads() - before
+    assert not handle.closed and handle.phases() == [StreamPhase.ACCEPTED] * 2
+    assert not [t for t in threading.enumerate() if t.name.startswith(("epoch-stream", "join"))]
     # The group stays up and nothing is sent: without close() the streams would wait out the
     # 60 s epoch deadline.
     t0 = time.monotonic()
     fleet.close()
     assert handle.closed and time.monotonic() - t0 < 10
-    assert epoch_threads() == []
+    assert not io_thread.is_alive()
     link.close()
     with pytest.raises(RuntimeError, match="closed"):
         fleet.update_weights(3)

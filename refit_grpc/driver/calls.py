@@ -1,11 +1,13 @@
 """Every call the driver makes to its shims goes through one `ShimCalls`: the channels and
-stubs, the threads that wait on answers, the deadlines and retries, and the one place where
-a call's failure becomes a `WorkerFailure` naming its shim.
+stubs, the deadlines and retries, and the one place where a call's failure becomes a
+`WorkerFailure` naming its shim.
 
-Callers say what to ask of which shims; `ShimCalls` decides how it runs (today: a thread per
-call in flight for unary fan-outs and joins, a pool of stream consumers for epochs). The
-design note in docs/protocol.md ("Group formation") says why a formation's joins get a thread
-each; moving these waits onto one event loop (grpc.aio) is a change to this module alone.
+Callers say what to ask of which shims; `ShimCalls` decides how it runs: every call is a
+coroutine on the driver's one I/O thread (`IoLoop`, grpc.aio), the unary fan-outs, a
+formation's joins (each waits until the whole group has formed) and an epoch's streams alike, so
+the trainer's threads do not grow with its fleet and no pool bounds how many shims wait at once.
+The methods callers use are blocking (the driver's API is synchronous) or return
+`concurrent.futures.Future`s.
 
 Retry policy: idempotent unary calls (Describe, Prepare, Flush) retry on UNAVAILABLE with
 exponential backoff and jitter (tenacity), within `control_timeout_s`. Abort, Flip and the
@@ -15,12 +17,14 @@ are never retried alone: a failed epoch is aborted fleet-wide and re-run as a wh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import asyncio
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+import grpc.aio
 import tenacity
 
 from refit_grpc.common import PauseMode
@@ -32,10 +36,10 @@ from refit_grpc.driver.failures import (
     WorkerFailure,
     failure_from_rpc,
 )
+from refit_grpc.driver.io_loop import IoLoop
 from refit_grpc.proto import PAUSE_MODE_TO_PROTO, pb, pb_grpc
 
-# A pool bound no fleet reaches: ThreadPoolExecutor starts a thread only when none is idle.
-_NO_BOUND = 1 << 16
+T = TypeVar("T")
 
 # The request for one shim, made from its link (most fan-outs ask every shim the same).
 RequestFor = Callable[["WorkerLink"], Any]
@@ -43,7 +47,8 @@ RequestFor = Callable[["WorkerLink"], Any]
 
 @dataclass(frozen=True)
 class WorkerLink:
-    """The stub to one shim, with the metadata (bearer token) every call carries."""
+    """The stub to one shim (grpc.aio: its calls are awaited on the driver's I/O loop), with
+    the metadata (bearer token) every call carries."""
 
     endpoint: WorkerEndpoint
     stub: pb_grpc.RefitServiceStub
@@ -59,31 +64,30 @@ class ShimCalls:
 
     def __init__(self, config: FleetConfig):
         self.config = config
-        self._channels: list[grpc.Channel] = []
-        # Unary fan-outs: a thread per call in flight, started on demand. Calls beyond the
-        # bound queue (they do not hold anything another call waits for).
-        self._unary = ThreadPoolExecutor(max_workers=64, thread_name_prefix="fleet")
-        # The consumers of epoch streams (`EpochHandle`), apart from the unary pool so that an
-        # epoch's streams can never hold up the calls (Abort) that end it. A consumer holds its
-        # thread until its stream ends, so the pool has no bound a fleet could reach (a bound
-        # of 4 per worker at construction left workers added later waiting); threads start
-        # only when no idle one is left, and later epochs reuse them.
-        self.streams = ThreadPoolExecutor(max_workers=_NO_BOUND,
-                                          thread_name_prefix="epoch-stream")
+        self.io = IoLoop()
+        self._channels: list[grpc.aio.Channel] = []
 
     def open(self, endpoint: WorkerEndpoint) -> WorkerLink:
-        """A link to one shim: its channel (kept until `close()`) and stub."""
-        channel = self.config.security.open(endpoint.address)
+        """A link to one shim: its channel (kept until `close()`, made on the I/O loop, which
+        it belongs to) and stub."""
+        async def make() -> grpc.aio.Channel:
+            return self.config.security.open_aio(endpoint.address)
+
+        channel = self.io.run(make())
         self._channels.append(channel)
         return WorkerLink(endpoint, pb_grpc.RefitServiceStub(channel),
                           self.config.security.metadata())
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Run a coroutine of calls (an epoch's stream, a catch-up) on the I/O loop."""
+        return self.io.submit(coro)
+
     # --- unary calls ----------------------------------------------------------------------
 
-    def call(self, link: WorkerLink, method: str, request: Any) -> Any:
+    async def call(self, link: WorkerLink, method: str, request: Any) -> Any:
         """One idempotent unary call with `control_timeout_s`, retried on UNAVAILABLE
         (exponential backoff, jitter). Raises grpc.RpcError."""
-        retry = tenacity.Retrying(
+        retry = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception(_unavailable),
             # Long enough to outlast the channel's reconnect backoff (max 1 s): a shim that just
             # restarted must be reached, not declared gone after a burst of instant failures.
@@ -91,15 +95,18 @@ class ShimCalls:
             stop=(tenacity.stop_after_attempt(self.config.retry_attempts)
                   | tenacity.stop_after_delay(self.config.control_timeout_s)),
             reraise=True)
-        return retry(lambda: getattr(link.stub, method)(
-            request, timeout=self.config.control_timeout_s, metadata=link.metadata))
+        async for attempt in retry:
+            with attempt:
+                return await getattr(link.stub, method)(
+                    request, timeout=self.config.control_timeout_s, metadata=link.metadata)
+        raise AssertionError("unreachable: tenacity reraises the last failure")
 
     def each(self, method: str, links: Sequence[WorkerLink], request_for: RequestFor
              ) -> list[Any]:
-        """`call()` on every link in parallel: one entry per link, in order, its answer or the
+        """`call()` on every link at once: one entry per link, in order, its answer or the
         `WorkerFailure` that says why there is none."""
-        futures = [self._unary.submit(self.call, w, method, request_for(w)) for w in links]
-        return self._answers(links, futures)
+        return self.io.run(self._answers(
+            links, [self.call(w, method, request_for(w)) for w in links]))
 
     def all(self, method: str, links: Sequence[WorkerLink], request_for: RequestFor,
             what: str) -> list[Any]:
@@ -115,16 +122,18 @@ class ShimCalls:
 
     def once(self, method: str, links: Sequence[WorkerLink], request_for: RequestFor,
              timeout_s: float) -> list[Any]:
-        """Every link in parallel, each tried once within `timeout_s` (no retry: a call that
-        must not be repeated, or a probe where a dead or frozen shim must not hold the others
-        up): its answer or its `WorkerFailure`."""
-        futures = [self._unary.submit(getattr(w.stub, method), request_for(w),
-                                      timeout=timeout_s, metadata=w.metadata) for w in links]
-        return self._answers(links, futures)
+        """Every link at once, each tried once within `timeout_s` (no retry: a call that must
+        not be repeated, or a probe where a dead or frozen shim must not hold the others up):
+        its answer or its `WorkerFailure`."""
+        async def one(w: WorkerLink) -> Any:
+            return await getattr(w.stub, method)(request_for(w), timeout=timeout_s,
+                                                 metadata=w.metadata)
+
+        return self.io.run(self._answers(links, [one(w) for w in links]))
 
     def abort(self, reason: str, links: Sequence[WorkerLink]) -> list[pb.AbortResponse | None]:
-        """Abort on every link in parallel; best effort, never raises, never retries, bounded
-        by `abort_timeout_s`: one entry per link, its answer or None."""
+        """Abort on every link at once; best effort, never raises, never retries, bounded by
+        `abort_timeout_s`: one entry per link, its answer or None."""
         request = pb.AbortRequest(reason=reason)
         return [None if isinstance(a, WorkerFailure) else a
                 for a in self.once("Abort", links, lambda w: request,
@@ -132,19 +141,22 @@ class ShimCalls:
 
     def flush(self, links: Sequence[WorkerLink], mode: PauseMode = PauseMode.WAIT,
               what: str = "flush failed") -> None:
-        """Flush on every link in parallel (drain, clear the caches, resume); raises as
-        `all()`."""
+        """Flush on every link at once (drain, clear the caches, resume); raises as `all()`."""
         request = pb.FlushRequest(mode=PAUSE_MODE_TO_PROTO[mode])
         self.all("Flush", links, lambda w: request, what)
 
     @staticmethod
-    def _answers(links: Sequence[WorkerLink], futures: Sequence[Future]) -> list[Any]:
+    async def _answers(links: Sequence[WorkerLink],
+                       calls: Sequence[Coroutine[Any, Any, Any]]) -> list[Any]:
+        results = await asyncio.gather(*calls, return_exceptions=True)
         out: list[Any] = []
-        for w, f in zip(links, futures):
-            try:
-                out.append(f.result())
-            except grpc.RpcError as e:
-                out.append(failure_from_rpc(w.endpoint, e))
+        for w, r in zip(links, results):
+            if isinstance(r, grpc.RpcError):
+                out.append(failure_from_rpc(w.endpoint, r))
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                out.append(r)
         return out
 
     # --- group formation ------------------------------------------------------------------
@@ -152,20 +164,16 @@ class ShimCalls:
     def join(self, links: Sequence[WorkerLink], requests: Sequence[pb.InitCollectiveRequest]
              ) -> list[Future]:
         """InitCollective on every link: one future per link, resolving to its JOINED message
-        or raising `FleetError` naming it. Each join holds its thread until the whole group has
-        formed, so a pool smaller than the fleet would hold every join past its size back until
-        the deadline: a thread each, for the formation."""
-        joins = ThreadPoolExecutor(max_workers=max(len(links), 1), thread_name_prefix="join")
-        futures = [joins.submit(self._join_one, w, r) for w, r in zip(links, requests)]
-        joins.shutdown(wait=False)
-        return futures
+        or raising `FleetError` naming it. Each join waits until the whole group has formed:
+        a coroutine each on the I/O loop, however wide the fleet."""
+        return [self.io.submit(self._join_one(w, r)) for w, r in zip(links, requests)]
 
-    def _join_one(self, w: WorkerLink, request: pb.InitCollectiveRequest
-                  ) -> pb.InitCollectiveResponse:
+    async def _join_one(self, w: WorkerLink, request: pb.InitCollectiveRequest
+                        ) -> pb.InitCollectiveResponse:
         last = None
         try:
-            for msg in w.stub.InitCollective(request, timeout=self.config.join_timeout_s,
-                                             metadata=w.metadata):
+            async for msg in w.stub.InitCollective(request, timeout=self.config.join_timeout_s,
+                                                   metadata=w.metadata):
                 last = msg
         except grpc.RpcError as e:
             f = failure_from_rpc(w.endpoint, e)
@@ -176,10 +184,14 @@ class ShimCalls:
 
     # --- the end --------------------------------------------------------------------------
 
-    def close(self, *, wait_for_streams: bool) -> None:
-        """Close every channel and the unary pool; the stream pool too, waiting for its
-        threads only when `wait_for_streams` (every consumer has ended: its epoch closed)."""
-        for channel in self._channels:
-            channel.close()
-        self._unary.shutdown(wait=False, cancel_futures=True)
-        self.streams.shutdown(wait=wait_for_streams, cancel_futures=True)
+    def close(self) -> None:
+        """Close every channel (calls still open are cancelled), then the I/O loop."""
+        async def close_channels() -> None:
+            await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)
+
+        if not self.io.on_loop:
+            try:
+                self.io.submit(close_channels()).result(timeout=5.0)
+            except Exception:  # noqa: BLE001  (closing: the loop's end cancels what is left)
+                pass
+        self.io.close()

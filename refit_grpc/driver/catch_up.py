@@ -14,24 +14,26 @@ any other (PEER_COPY_MISMATCH) and the newcomer refuses bytes with another diges
 (STAGED_DIGEST_MISMATCH) before it loads anything.
 
 `CatchUps` (what `Fleet.catch_up()` and `Fleet.catch_up_async()` use) chooses the peers, runs
-each catch-up on a thread of its own and applies the outcome to the fleet's `Membership`;
+each catch-up as a coroutine on the driver's I/O loop and applies the outcome to the fleet's
+`Membership`;
 `catch_up_from_peers` runs one catch-up against an ordered list of peers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import grpc.aio
 
 from refit_grpc.common import PauseMode
 from refit_grpc.driver.calls import ShimCalls, WorkerLink
@@ -91,11 +93,12 @@ def listen_address(address: str) -> str:
         return socket.gethostbyname(host)
 
 
-def catch_up_from_peers(target: WorkerLink, peers: Sequence[WorkerLink], *, version: int,
-                        staged_digest: str, plan: RefitPlan, target_world_size: int,
-                        target_instance: str, timeout_s: float,
-                        pause_mode: PauseMode = PauseMode.KEEP) -> CatchUpReport:
-    """Catch `target` up to `version` from the first of `peers` that serves it.
+async def catch_up_from_peers(target: WorkerLink, peers: Sequence[WorkerLink], *, version: int,
+                              staged_digest: str, plan: RefitPlan, target_world_size: int,
+                              target_instance: str, timeout_s: float,
+                              pause_mode: PauseMode = PauseMode.KEEP) -> CatchUpReport:
+    """Catch `target` up to `version` from the first of `peers` that serves it (a coroutine
+    on the driver's I/O loop, where the links' calls run).
 
     Args:
         target: the engine catching up (prepared with `plan`).
@@ -120,10 +123,10 @@ def catch_up_from_peers(target: WorkerLink, peers: Sequence[WorkerLink], *, vers
     failed: list[WorkerFailure] = []
     for peer in peers:
         try:
-            answer = _attempt(target, peer, version=version, staged_digest=staged_digest,
-                              plan=plan, world_size=1 + target_world_size,
-                              target_instance=target_instance, timeout_s=timeout_s,
-                              pause_mode=pause_mode)
+            answer = await _attempt(target, peer, version=version, staged_digest=staged_digest,
+                                    plan=plan, world_size=1 + target_world_size,
+                                    target_instance=target_instance, timeout_s=timeout_s,
+                                    pause_mode=pause_mode)
         except _AttemptFailed as e:
             failed.extend(e.failures)
             if not e.peer_to_blame:
@@ -149,50 +152,56 @@ class _AttemptFailed(Exception):
         self.peer_to_blame = peer_to_blame
 
 
-def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_digest: str,
-             plan: RefitPlan, world_size: int, target_instance: str, timeout_s: float,
-             pause_mode: PauseMode) -> pb.CatchUpResponse:
+async def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_digest: str,
+                   plan: RefitPlan, world_size: int, target_instance: str, timeout_s: float,
+                   pause_mode: PauseMode) -> pb.CatchUpResponse:
     """One catch-up from one peer: its LISTENING, the target's CatchUp, the peer's SENT."""
     group_id = f"catchup-{uuid.uuid4().hex[:12]}"
     address = listen_address(peer.endpoint.address)
-    serve, listening = _serve(peer, pb.ServeCatchUpRequest(
+    serve, listening = await _serve(peer, pb.ServeCatchUpRequest(
         version=version, staged_digest=staged_digest, plan_digest=plan.digest,
         listen_address=address, group_id=group_id, target_instance_id=target_instance,
         world_size=world_size), timeout_s)
-    # The target's CatchUp runs on a thread of gRPC's own (a future), the peer's stream here.
-    call = target.stub.CatchUp.future(pb.CatchUpRequest(
+    # The target's CatchUp runs as a task of its own while the peer's stream is read here.
+    target_call = asyncio.ensure_future(target.stub.CatchUp(pb.CatchUpRequest(
         version=version, staged_digest=staged_digest, plan_digest=plan.digest,
         master_address=address, master_port=listening.master_port, group_id=group_id,
         instance_id=target_instance, peer_instance_id=peer.endpoint.instance_id,
         pause_mode=PAUSE_MODE_TO_PROTO[pause_mode]), timeout=timeout_s,
-        metadata=target.metadata)
+        metadata=target.metadata))
     peer_failure: WorkerFailure | None = None
-    target_failed = threading.Event()
+    target_failed = False
 
-    def on_target_done(c: Any) -> None:
-        if not c.cancelled() and c.exception() is not None:
+    def on_target_done(t: asyncio.Future) -> None:
+        nonlocal target_failed
+        if not t.cancelled() and t.exception() is not None:
             # The peer would otherwise wait for a newcomer that is not coming, up to its deadline.
-            target_failed.set()
+            target_failed = True
             serve.cancel()
 
-    call.add_done_callback(on_target_done)
+    target_call.add_done_callback(on_target_done)
     try:
-        for _ in serve:  # to SENT
+        # read(), as `_serve` began: grpc.aio does not mix it with `async for` on one call.
+        while await serve.read() is not grpc.aio.EOF:  # to SENT
             pass
     except grpc.RpcError as e:
-        if not target_failed.is_set():
+        if not target_failed:
             # The target notices on its own, at once (its receive or rendezvous fails on the
             # dead peer's sockets), and says so with its reason: its answer is awaited below.
             peer_failure = failure_from_rpc(peer.endpoint, e)
+    except asyncio.CancelledError:
+        if not target_failed:
+            target_call.cancel()
+            raise  # this catch-up itself was cancelled (the fleet closed)
     try:
-        answer = call.result()
+        answer = await target_call
     except grpc.RpcError as e:
         serve.cancel()
         if peer_failure is None:
             # The target may notice a dead peer (its sockets reset) before the peer's own
             # stream says so, and its failure cancels that stream: ask the peer directly.
-            peer_failure = _peer_gone(peer)
-        _await_serve_end(peer, timeout_s)
+            peer_failure = await _peer_gone(peer)
+        await _await_serve_end(peer, timeout_s)
         mine = failure_from_rpc(target.endpoint, e)
         if peer_failure is not None:
             # The peer died or failed mid-transfer: the root cause, named first; the target's
@@ -207,32 +216,33 @@ def _attempt(target: WorkerLink, peer: WorkerLink, *, version: int, staged_diges
     return answer
 
 
-def _serve(peer: WorkerLink, request: pb.ServeCatchUpRequest, timeout_s: float
-           ) -> tuple[Any, pb.ServeCatchUpResponse]:
+async def _serve(peer: WorkerLink, request: pb.ServeCatchUpRequest, timeout_s: float
+                 ) -> tuple[Any, pb.ServeCatchUpResponse]:
     """The peer's ServeCatchUp stream, and its first message (LISTENING, with the port)."""
     serve: Any = peer.stub.ServeCatchUp(request, timeout=timeout_s, metadata=peer.metadata)
     try:
-        return serve, next(serve)
+        first = await serve.read()
     except grpc.RpcError as e:
         raise _AttemptFailed([failure_from_rpc(peer.endpoint, e)], True) from e
-    except StopIteration:
+    if first is grpc.aio.EOF:
         raise _AttemptFailed([WorkerFailure(
             peer.endpoint.instance_id, peer.endpoint.address, grpc.StatusCode.INTERNAL,
-            Reason.DRIVER_ERROR, "ServeCatchUp ended before LISTENING")], True) from None
+            Reason.DRIVER_ERROR, "ServeCatchUp ended before LISTENING")], True)
+    return serve, first
 
 
-def _peer_gone(peer: WorkerLink) -> WorkerFailure | None:
+async def _peer_gone(peer: WorkerLink) -> WorkerFailure | None:
     """Why the peer does not answer (dead, frozen), or None when it does: one Describe, as
     bounded as an abort."""
     try:
-        peer.stub.Describe(pb.DescribeRequest(skip_weights_digest=True), timeout=1.0,
-                           metadata=peer.metadata)
+        await peer.stub.Describe(pb.DescribeRequest(skip_weights_digest=True), timeout=1.0,
+                                 metadata=peer.metadata)
     except grpc.RpcError as e:
         return failure_from_rpc(peer.endpoint, e)
     return None
 
 
-def _await_serve_end(peer: WorkerLink, timeout_s: float) -> None:
+async def _await_serve_end(peer: WorkerLink, timeout_s: float) -> None:
     """Until the peer's ServeCatchUp has ended on its side too (Describe), at most a few
     seconds: a cancelled stream ends at once here but its handler a moment later (it notices
     within 20 ms), and the peer refuses every epoch, join and Prepare until then (BUSY). A
@@ -240,13 +250,13 @@ def _await_serve_end(peer: WorkerLink, timeout_s: float) -> None:
     end = time.monotonic() + min(timeout_s, 5.0)
     while time.monotonic() < end:
         try:
-            d = peer.stub.Describe(pb.DescribeRequest(skip_weights_digest=True), timeout=1.0,
-                                   metadata=peer.metadata)
+            d = await peer.stub.Describe(pb.DescribeRequest(skip_weights_digest=True),
+                                         timeout=1.0, metadata=peer.metadata)
         except grpc.RpcError:
             return  # gone or not answering: nothing to wait for
         if not d.serving_catch_up_to:
             return
-        time.sleep(0.02)
+        await asyncio.sleep(0.02)
     log.warning("%s still serves a catch-up %.0fs after it was cancelled",
                 peer.endpoint.instance_id, min(timeout_s, 5.0))
 
@@ -260,7 +270,7 @@ _TRY_ANOTHER_PEER = {Reason.COLLECTIVE_FAILED, Reason.GROUP_CLOSED, Reason.RENDE
 
 
 class CatchUps:
-    """The fleet's catch-ups: started on a pool of their own, applied to the membership when
+    """The fleet's catch-ups: run on the driver's I/O loop, applied to the membership when
     settled (`settle()`, which every epoch runs first: a peer cannot take the next version into
     its copy while it serves this one).
 
@@ -273,7 +283,6 @@ class CatchUps:
         self.calls = calls
         self.membership = membership
         self._pending: list[Future[CatchUpReport]] = []
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="catch-up")
 
     def start(self, instance_id: str, plan: RefitPlan, committed: tuple[int, str] | None, *,
               latest: int, timeout_s: float, pause_mode: PauseMode) -> Future[CatchUpReport]:
@@ -307,10 +316,10 @@ class CatchUps:
             raise CatchUpError(f"no member holds version {version} ({digest[:16]}) in its "
                                "committed copy, or every one that does is busy; the next epoch "
                                "brings the worker to it", [], reason=Reason.NO_CATCH_UP_PEER)
-        future = self._pool.submit(
-            catch_up_from_peers, target.link, peers, version=version, staged_digest=digest,
+        future = self.calls.submit(catch_up_from_peers(
+            target.link, peers, version=version, staged_digest=digest,
             plan=plan, target_world_size=max(about.engine_world_size, 1),
-            target_instance=about.instance_id, timeout_s=timeout_s, pause_mode=pause_mode)
+            target_instance=about.instance_id, timeout_s=timeout_s, pause_mode=pause_mode))
         self._pending.append(future)
         return future
 
@@ -327,7 +336,11 @@ class CatchUps:
             self.membership.caught_up(report.instance_id)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Cancel the catch-ups under way (the fleet is closing); their shims see the caller
+        go away."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.cancel()
 
 
 __all__ = ["CatchUpError", "CatchUpReport", "CatchUps", "catch_up_from_peers", "listen_address"]

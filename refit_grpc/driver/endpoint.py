@@ -99,16 +99,8 @@ class ChannelSecurity:
         """The call metadata: the bearer token's `authorization` header, if any."""
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
-    def open(self, address: str) -> grpc.Channel:
-        """Open a channel to a shim, with the project's message limits, reconnect backoff and
-        keepalive.
-
-        Args:
-            address: the shim's gRPC target.
-
-        Returns:
-            A plaintext or TLS channel, as configured.
-        """
+    def _channel_options(self) -> list[tuple[str, int | str]]:
+        """The project's message limits, reconnect backoff and keepalive (and the TLS name)."""
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -122,10 +114,39 @@ class ChannelSecurity:
             ("grpc.keepalive_timeout_ms", 1000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0)]
-        if not self.tls:
-            return grpc.insecure_channel(address, options=options)
-        if self.server_name:
+        if self.tls and self.server_name:
             options.append(("grpc.ssl_target_name_override", self.server_name))
-        creds = grpc.ssl_channel_credentials(self.root_certificates, self.private_key,
-                                             self.certificate_chain)
-        return grpc.secure_channel(address, creds, options=options)
+        return options
+
+    def _credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key,
+                                            self.certificate_chain)
+
+    def open(self, address: str) -> grpc.Channel:
+        """Open a blocking channel to a shim (the CLI's), with the project's message limits,
+        reconnect backoff and keepalive.
+
+        Args:
+            address: the shim's gRPC target.
+
+        Returns:
+            A plaintext or TLS channel, as configured.
+        """
+        if not self.tls:
+            return grpc.insecure_channel(address, options=self._channel_options())
+        return grpc.secure_channel(address, self._credentials(), options=self._channel_options())
+
+    def open_aio(self, address: str) -> grpc.aio.Channel:
+        """Open an asyncio channel to a shim (the driver's), configured as `open()`'s. Call it
+        on the event loop that will use the channel.
+
+        Args:
+            address: the shim's gRPC target.
+
+        Returns:
+            A plaintext or TLS grpc.aio channel.
+        """
+        if not self.tls:
+            return grpc.aio.insecure_channel(address, options=self._channel_options())
+        return grpc.aio.secure_channel(address, self._credentials(),
+                                       options=self._channel_options())

@@ -1,17 +1,18 @@
-"""One UpdateWeights epoch as the trainer sees it: a stream per worker, consumed on threads the
-fleet keeps, and the two waits of the two-phase start (every ACCEPTED, then every COMMITTED, or
+"""One UpdateWeights epoch as the trainer sees it: a stream per worker, consumed on the
+driver's I/O loop, and the two waits of the two-phase start (every ACCEPTED, then every COMMITTED, or
 for a staged epoch every STAGED: `settle()`)."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from concurrent.futures import Executor
 
 import grpc
+import grpc.aio
 
 from refit_grpc.common import Deadline, PauseMode
 from refit_grpc.driver.calls import WorkerLink
@@ -26,11 +27,13 @@ from refit_grpc.driver.failures import (
     failure_from_rpc,
     root_causes_first,
 )
+from refit_grpc.driver.io_loop import IoLoop
 from refit_grpc.driver.options import Epoch, InPlace, Staged
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
 
-# (instance_id, bucket_index, bucket_count), called on the stream's thread after each bucket.
+# (instance_id, bucket_index, bucket_count), called after each PROGRESS a shim sends, on the
+# driver's I/O thread: it must not block, nor call the fleet (hand such work to a thread).
 ProgressCallback = Callable[[str, int, int], None]
 # Aborts the given workers; returns one answer per worker, None where none came.
 AbortFleet = Callable[[str, Sequence["WorkerLink"]], Sequence[object | None]]
@@ -56,12 +59,11 @@ class EpochHandle:
     """One UpdateWeights epoch, as `Fleet.update_weights()` returns it: wait with
     `wait_accepted()`, broadcast, then `result()`.
 
-    One UpdateWeights stream per worker, each consumed on a thread of the fleet's stream
-    pool (`streams`): threads that outlive one epoch, because starting a thread waits for it
-    to be scheduled, and on a loaded host 8 such starts cost the epoch more than its messages.
+    One UpdateWeights stream per worker, each consumed by a coroutine on the driver's I/O
+    loop (`io`): no thread per worker, however wide the fleet.
 
     `close()` cancels every stream still open and waits for its consumers; `Fleet.close()`
-    closes every epoch it opened, then its pool, so no thread outlives the fleet.
+    closes every epoch it opened, then the loop.
 
     The handle carries what the epoch was opened with (`epoch`, `checks`, `pause_mode`), so
     `Fleet.flip()` ends a staged one as it was opened, with nothing repeated.
@@ -70,7 +72,7 @@ class EpochHandle:
     def __init__(self, workers: Sequence[WorkerLink], version: int,
                  requests: Sequence[pb.UpdateWeightsRequest], timeout_s: float,
                  abort_fleet: AbortFleet, on_progress: ProgressCallback | None = None, *,
-                 streams: Executor, epoch: Epoch | None = None, checks: Checks | None = None,
+                 io: IoLoop, epoch: Epoch | None = None, checks: Checks | None = None,
                  pause_mode: PauseMode = PauseMode.KEEP):
         self.version = version
         self.started_at = time.monotonic()
@@ -102,11 +104,12 @@ class EpochHandle:
         # Set by the first worker failure: the sender watches it, so a lost peer stops the
         # broadcast in seconds rather than at the epoch deadline.
         self.failed = threading.Event()
-        # Each stream is opened on its consumer's thread: opening one costs about a millisecond
-        # of Python on a loaded host, and the shims answer the first ones while later ones open.
-        self._calls: list[grpc.Call | None] = [None] * n
+        # Each stream is opened by its consumer, on the loop: the shims answer the first ones
+        # while later ones open.
+        self._io = io
+        self._calls: list[grpc.aio.UnaryStreamCall | None] = [None] * n
         self._cancelled = False
-        self._consumers = [streams.submit(self._consume, i, w, r)
+        self._consumers = [io.submit(self._consume(i, w, r))
                            for i, (w, r) in enumerate(zip(self._workers, requests))]
 
     # --- public surface ----------------------------------------------------------------------
@@ -283,8 +286,9 @@ class EpochHandle:
         with self._changed:
             self._cancelled = True
             calls = [c for c in self._calls if c is not None]
+        # grpc.aio calls are touched only on their loop.
         for call in calls:
-            call.cancel()
+            self._io.call_soon(call.cancel)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Cancel what is still open and wait (bounded) for the stream consumers to end.
@@ -302,7 +306,7 @@ class EpochHandle:
 
     # --- the streams -------------------------------------------------------------------------
 
-    def _consume(self, i: int, w: WorkerLink, request: pb.UpdateWeightsRequest) -> None:
+    async def _consume(self, i: int, w: WorkerLink, request: pb.UpdateWeightsRequest) -> None:
         failure: WorkerFailure | None = None
         try:
             call = w.stub.UpdateWeights(
@@ -313,7 +317,7 @@ class EpochHandle:
                 cancelled = self._cancelled
             if cancelled:  # cancel() ran while this stream was opening
                 call.cancel()
-            for msg in call:
+            async for msg in call:
                 with self._changed:
                     if msg.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:
                         self._accepted_ever[i] = True
@@ -334,6 +338,12 @@ class EpochHandle:
                                    + (" or STAGED" if self.staged else ""))
         except grpc.RpcError as e:
             failure = failure_from_rpc(w.endpoint, e)
+        except asyncio.CancelledError:
+            # grpc.aio ends a stream this driver cancelled (`cancel()`, the fleet closing) this
+            # way, where a blocking stream raised CANCELLED: recorded as that, the consumer ends.
+            failure = WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
+                                    grpc.StatusCode.CANCELLED, grpc.StatusCode.CANCELLED.name,
+                                    "cancelled by the driver")
         except Exception as e:  # noqa: BLE001  (reported as a failure of this worker)
             failure = WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
                                     grpc.StatusCode.UNKNOWN, Reason.DRIVER_ERROR, str(e))

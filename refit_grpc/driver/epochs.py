@@ -41,7 +41,7 @@ class Epochs:
 
     Args:
         config: the fleet's configuration (epoch and flip deadlines).
-        calls: the calls to the shims (the epoch's streams run on its pool).
+        calls: the calls to the shims (the epoch's streams run on its I/O loop).
         membership: the shims; an epoch runs on the data group's.
         formation: the data group (its name; an epoch that gives up drops it).
         catch_ups: settled before each epoch opens.
@@ -96,7 +96,7 @@ class Epochs:
             reversible=isinstance(epoch, Staged) and epoch.reversible)
             for m in group]
         handle = EpochHandle(links(group), version, requests, self.config.epoch_timeout_s,
-                             self.formation.abort_epoch, on_progress, streams=self.calls.streams,
+                             self.formation.abort_epoch, on_progress, io=self.calls.io,
                              epoch=epoch, checks=checks, pause_mode=pause_mode)
         with self._lock:
             # Finished epochs are dropped here, so a long run keeps only the open ones.

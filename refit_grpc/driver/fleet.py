@@ -529,13 +529,12 @@ class Fleet:
         return self.calls.abort(reason, links_of(self.membership.current))
 
     def close(self) -> None:
-        """End every open epoch (its streams cancelled, its threads joined), then the channels."""
+        """End every open epoch (its streams cancelled, its consumers ended, bounded), the
+        catch-ups under way, then the channels and the driver's I/O loop."""
         self._closed = True
-        epochs = self.epochs.close()
+        self.epochs.close()
         self.catch_ups.close()
-        # Every consumer has ended when its epoch closed (bounded); then only idle threads are
-        # left, and waiting for them is immediate. A consumer still running is not waited for.
-        self.calls.close(wait_for_streams=all(e.closed for e in epochs))
+        self.calls.close()
 
     def __enter__(self) -> Fleet:
         return self
