@@ -86,6 +86,27 @@ def test_the_first_refusal_that_holds_is_named(rpc, state, busy, draining, insta
     assert (refused.reason if refused else None) == expected
 
 
+@pytest.mark.parametrize("rpc,state,instance_id,version,expected", [
+    # A stale version is named before the state: an epoch whose request an Abort overtook (the
+    # shim is PREPARED then) must still say it was stale, not WRONG_STATE, which the driver
+    # reads as its Abort's doing and names no one for.
+    ("UpdateWeights", S.SHIM_STATE_PREPARED, "me", 3, "STALE_VERSION"),
+    ("UpdateWeights", S.SHIM_STATE_PREPARED, "me", 4, "WRONG_STATE"),
+    ("UpdateWeights", S.SHIM_STATE_READY, "me", 4, None),
+    ("CatchUp", S.SHIM_STATE_CATCHING_UP, "", 2, "STALE_VERSION"),
+    # ... but after the instance: a restarted shim's versions say nothing of the caller's.
+    ("UpdateWeights", S.SHIM_STATE_READY, "old", 1, "MEMBERSHIP_CHANGED"),
+    # Only the RPCs that carry a version to apply check it.
+    ("Flip", S.SHIM_STATE_STAGED, "me", 1, None),
+])
+def test_a_stale_version_is_named_after_the_instance_and_before_the_state(
+        rpc, state, instance_id, version, expected):
+    # The shim applied version 2 and rolled back from 3.
+    refused = refusal(rpc, state=state, busy=None, draining=False, instance_id=instance_id,
+                      own_instance_id="me", version=version, applied=2, highest=3)
+    assert (refused.reason if refused else None) == expected
+
+
 def test_describe_when_empty(shim):
     sh = shim()
     d = sh.describe()

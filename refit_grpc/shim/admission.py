@@ -7,6 +7,10 @@ docs/protocol.md's state table is checked against `ADMISSIONS` by tests/test_sta
 A refusal names the first of these that holds, in this order:
 1. the request names another instance (`checks_instance`): MEMBERSHIP_CHANGED. First, because a
    restarted shim is in another state too, and "wrong state" would hide the cause;
+   then its version is not newer than every version this shim applied or rolled back from
+   (`checks_version`): STALE_VERSION. Before the state too: such a request is refused whatever
+   the state, and a state an Abort left (the driver aborts a refused epoch at its first refusal,
+   which may overtake the others' requests) would read as the abort's doing, naming no one;
 2. a state with a reason of its own (`own_reasons`: Flush in BROKEN is refused BROKEN);
 3. the shim is draining (`refused_draining`): UNAVAILABLE, SHUTTING_DOWN;
 4. the state is not one it is admitted in (`states`): WRONG_STATE;
@@ -48,6 +52,7 @@ class Admission:
     busy_refused: frozenset[Busy]          # the long operations it may not overlap (BUSY)
     holds: Busy | None = None              # the long operation it runs itself
     checks_instance: bool = False          # its request's instance_id, when set, must be ours
+    checks_version: bool = False           # its request's version must be newer (invariant 4)
     refused_draining: bool = True          # refused once the shim drains (SIGTERM)
     # States refused with a reason and message of their own, named before draining.
     own_reasons: Mapping[int, tuple[Reason, str]] = field(default_factory=dict)
@@ -64,7 +69,7 @@ ADMISSIONS: Mapping[str, Admission] = {
     # re-forms a group leaves its STAGED engines out of it.
     "InitCollective": Admission(_LIVE | {pb.SHIM_STATE_BROKEN}, ANY_BUSY, holds=Busy.JOIN),
     "UpdateWeights": Admission(frozenset({pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN}), ANY_BUSY,
-                               holds=Busy.EPOCH, checks_instance=True),
+                               holds=Busy.EPOCH, checks_instance=True, checks_version=True),
     # Any state: what it needs is a staged version (the handler's NOT_STAGED), which STAGED has
     # and so has a BROKEN engine whose staged epoch (opened while BROKEN) committed.
     "Flip": Admission(ANY_STATE, ANY_BUSY, holds=Busy.FLIP, checks_instance=True),
@@ -76,7 +81,7 @@ ADMISSIONS: Mapping[str, Admission] = {
                            "to resume until a full update commits")}),
     "ServeCatchUp": Admission(_LIVE, ANY_BUSY, holds=Busy.SERVE, checks_instance=True),
     "CatchUp": Admission(_LIVE | {pb.SHIM_STATE_BROKEN}, ANY_BUSY, holds=Busy.CATCH_UP,
-                         checks_instance=True),
+                         checks_instance=True, checks_version=True),
     # Not in STAGED (a staged version waits for its Flip; Abort drops it) nor BROKEN (the
     # previous copy is older than the last good version).
     "Rollback": Admission(_LIVE, ANY_BUSY, holds=Busy.ROLLBACK, checks_instance=True),
@@ -85,14 +90,31 @@ ADMISSIONS: Mapping[str, Admission] = {
 }
 
 
+def stale_version(version: int, applied: int, highest: int) -> RefitError | None:
+    """Why `version` may not be applied by a shim that applied `applied` and rolled back from
+    up to `highest` (invariant 4: versions only move forward, past a rollback's too: a version
+    rolled back from is never reused for other weights), or None when it may."""
+    if version > max(applied, highest):
+        return None
+    rolled = f", {highest} before a rollback" if highest > applied else ""
+    return FailedPreconditionError(f"version {version} is not newer than applied {applied}"
+                                   f"{rolled}", reason=Reason.STALE_VERSION)
+
+
 def refusal(rpc: str, *, state: int, busy: Busy | None, draining: bool, instance_id: str,
-            own_instance_id: str) -> RefitError | None:
-    """Why `rpc` is refused now, or None when it is admitted."""
+            own_instance_id: str, version: int | None = None, applied: int = 0,
+            highest: int = 0) -> RefitError | None:
+    """Why `rpc` is refused now, or None when it is admitted (`version`: the request's, checked
+    for an RPC that `checks_version` when given; `applied`, `highest`: the shim's, as
+    `stale_version` takes them)."""
     admission = ADMISSIONS[rpc]
     if admission.checks_instance and instance_id and instance_id != own_instance_id:
         return FailedPreconditionError(
             f"this shim is {own_instance_id!r}, the {rpc} was sent to {instance_id!r} "
             "(restarted since the caller saw it)", reason=Reason.MEMBERSHIP_CHANGED)
+    if admission.checks_version and version is not None \
+            and (stale := stale_version(version, applied, highest)):
+        return stale
     if state in admission.own_reasons:
         reason, message = admission.own_reasons[state]
         return FailedPreconditionError(message, reason=reason)

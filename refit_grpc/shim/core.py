@@ -101,13 +101,15 @@ class ShimCore:
             return pb.SHIM_STATE_READY
         return pb.SHIM_STATE_PREPARED
 
-    def admit_locked(self, rpc: str, instance_id: str = "") -> None:
+    def admit_locked(self, rpc: str, instance_id: str = "", version: int | None = None
+                     ) -> None:
         """Refuse `rpc` unless the admission table admits it now (state, busy, draining,
-        instance id). A handler's own checks follow under the same lock hold, then
-        `hold_locked` if it runs a long operation."""
+        instance id, a version newer than any applied). A handler's own checks follow under
+        the same lock hold, then `hold_locked` if it runs a long operation."""
         refused = refusal(rpc, state=self.state_locked(), busy=self.busy,
                           draining=self.shutting_down, instance_id=instance_id,
-                          own_instance_id=self.config.instance_id)
+                          own_instance_id=self.config.instance_id, version=version,
+                          applied=self.version, highest=self.highest_version)
         if refused is not None:
             raise refused
 
@@ -144,16 +146,6 @@ class ShimCore:
         return False
 
     # --- checks and transitions under the lock ----------------------------------------------
-
-    def check_newer_locked(self, version: int) -> None:
-        """Epoch versions only move forward (invariant 4), past a rollback's too: a version
-        rolled back from is never reused for other weights."""
-        if version <= max(self.version, self.highest_version):
-            rolled = (f", {self.highest_version} before a rollback"
-                      if self.highest_version > self.version else "")
-            raise FailedPreconditionError(
-                f"version {version} is not newer than applied {self.version}{rolled}",
-                reason=Reason.STALE_VERSION)
 
     def check_digest_locked(self, digest: str) -> RefitPlan:
         """The prepared plan, if `digest` names it."""

@@ -87,14 +87,13 @@ def _check_delta_request(request: pb.UpdateWeightsRequest, staged: bool, engine:
 
 def check_epoch_locked(core: ShimCore, request: pb.UpdateWeightsRequest,
                        epoch: Epoch) -> RefitPlan:
-    """What an admitted epoch needs of this shim: its delta base, the joined group, a newer
-    version, the prepared plan (returned)."""
+    """What an admitted epoch (its version is newer: the admission checked it) needs of this
+    shim: its delta base, the joined group, the prepared plan (returned)."""
     if epoch.delta:
         _check_delta_base(core.engine, request)
     if core.group is None:
         raise FailedPreconditionError("no data group: call InitCollective first",
                                       reason=Reason.NO_GROUP)
-    core.check_newer_locked(request.version)
     plan = core.check_digest_locked(request.plan_digest)
     if request.group_id != core.group.group_id:
         raise FailedPreconditionError(

@@ -180,7 +180,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             deadline = self._deadline(context, self.config.max_epoch_s)
             asked, mode = epoch.epoch_from_request(core, request, deadline)
             with core.lock:
-                core.admit_locked("UpdateWeights", request.instance_id)
+                core.admit_locked("UpdateWeights", request.instance_id, request.version)
                 plan = epoch.check_epoch_locked(core, request, asked)
                 core.epoch = asked
                 receiving = core.hold_locked("UpdateWeights")
@@ -289,8 +289,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                                                self.own_ports)
             peer = request.peer_instance_id or f"{request.master_address}:{request.master_port}"
             with core.lock:
-                core.admit_locked("CatchUp", request.instance_id)
-                core.check_newer_locked(request.version)
+                core.admit_locked("CatchUp", request.instance_id, request.version)
                 plan = core.check_digest_locked(request.plan_digest)
                 broken = not core.weights_intact
                 # The fleet forms its group again with this engine once it caught up.
