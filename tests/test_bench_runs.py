@@ -90,6 +90,21 @@ def test_make_bench_catch_up_runs():
 
 
 @needs_make
+@pytest.mark.timeout(120)
+def test_make_bench_scale_runs_and_draws_its_figure():
+    lines = bench_lines("bench-scale")
+    out = run_target("bench-scale", 100)
+    rows = [ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [2, 4], out
+    for row in rows:
+        cpu_per_engine, threads, egress = float(row[6]), int(row[7]), float(row[9])
+        # Each is measured, not a placeholder: some CPU, a trainer with threads, bytes sent.
+        assert cpu_per_engine > 0 and threads > 1 and egress >= 1, row
+    assert "figure: build/bench-scale.png" in out and (ROOT / "build/bench-scale.png").exists()
+    assert all("bench-scale" in ln for ln in lines)
+
+
+@needs_make
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.timeout(600)

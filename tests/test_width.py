@@ -101,3 +101,30 @@ def test_a_join_that_fails_ends_the_formation_at_once_naming_its_shim(shim_procs
         link = connected(fleet, weights(1))
         refit_and_check(fleet, link, 5)
         link.close()
+
+
+def os_threads() -> int:
+    """This process's threads as the kernel counts them (gRPC's and gloo's included)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_the_trainers_threads_do_not_grow_with_the_fleet(wide):
+    """Every call to a shim is a coroutine on the driver's one I/O thread: an epoch to WIDTH
+    shims runs on as many trainer threads as one to 4 (before, each stream held a thread of its
+    own and the trainer ran about 3 more threads per engine: 204 at 64 engines, 36 at 8)."""
+    def threads_during_an_epoch(shims, version: int) -> int:
+        seen: list[int] = []
+        with fleet_of(shims) as fleet:
+            link = connected(fleet, weights(1))
+            # on_progress runs while the epoch's streams are open, on the driver's I/O thread.
+            fleet.refit(link, weights(version), version=version,
+                        on_progress=lambda *progress: seen.append(os_threads()))
+            link.close()
+        assert seen, "no PROGRESS reached the trainer"
+        return max(seen)
+
+    narrow = threads_during_an_epoch(wide[:4], 6)
+    full = threads_during_an_epoch(wide, 7)
+    print(f"trainer threads during an epoch: {narrow} with 4 shims, {full} with {len(wide)}")
+    assert full - narrow <= 4, (narrow, full)

@@ -126,6 +126,19 @@ def _bench_catch_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_scale(args: argparse.Namespace) -> int:
+    from refit_grpc.tools.bench_scale import run_bench_scale
+
+    widths = tuple(int(w) for w in args.widths.split(","))
+    if args.quick:
+        widths, args.epochs = (2, 4), 2
+    if any(w < 1 for w in widths):
+        print(f"bench-scale: widths must be positive: {args.widths}", file=sys.stderr)
+        return 2
+    run_bench_scale(widths, epochs=args.epochs, buckets=args.buckets, figure=args.png or None)
+    return 0
+
+
 def link_gbit(text: str) -> float:
     """`--link-gbit`: a link's rate in Gbit/s, positive and finite."""
     try:
@@ -269,6 +282,19 @@ def _add_bench_parsers(sub: Any) -> None:
                            "against by the trainer's epoch", reps="joins of each way",
                            quick="one rep", func=_bench_catch_up)
     catch_up.add_argument("--peers", type=int, default=2, help="members holding the version")
+
+    scale = sub.add_parser("bench-scale", help="what control costs the trainer as the fleet "
+                                               "widens: CPU per engine, threads, egress")
+    scale.add_argument("--widths", default="8,16,32,64",
+                       help="comma-separated fleet widths (real shim processes, the widest "
+                            "started once)")
+    scale.add_argument("--epochs", type=int, default=6, help="in-place epochs per width")
+    scale.add_argument("--buckets", type=int, default=8, help="16 KiB buckets per epoch")
+    scale.add_argument("--png", default="build/bench-scale.png",
+                       help="the figure of cost against width (empty: none; needs matplotlib)")
+    scale.add_argument("--quick", action="store_true",
+                       help="widths 2 and 4, 2 epochs: that it runs, in seconds")
+    scale.set_defaults(func=_bench_scale)
 
 
 def _plan_bench(sub: Any, name: str, help: str, reps: str, quick: str,

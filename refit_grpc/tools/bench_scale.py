@@ -1,0 +1,209 @@
+"""`refit-grpc bench-scale`: what the control plane costs the trainer as the fleet widens (a
+benchmark: it reports and asserts nothing).
+
+Real shim processes (reference engines in store mode, forked from one server that has imported
+torch), each its own gRPC server and gloo rank, at each width of `widths`. The plan is tiny
+(`buckets` buckets of 16 KiB), so what an epoch costs beyond its broadcast is control: the
+UpdateWeights streams, the two-phase waits, the reports. Per width, medians of `epochs` in-place
+epochs:
+
+- trainer CPU per epoch and per engine (the trainer process's user + system time, the gloo
+  broadcast included: the sender's part is in the broadcast column's time);
+- epoch time, its broadcast part, and what control adds over the broadcast;
+- the trainer's threads (the most seen during the epochs) and resident memory;
+- trainer egress: the bytes it wrote per epoch (sockets included, /proc/self/io) over the plan's
+  bytes, i.e. how many copies of each byte the trainer sends itself (gloo's broadcast);
+- the group's formation and one `describe()` of the whole fleet.
+
+Widths beyond what a 2-core machine runs as processes (the issue asks for 1,000) need engine
+servicers that share a process and its receiving rank; they are not built (docs/bench.md).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from refit_grpc.plan import Packing
+
+_BUCKET_BYTES = 16 << 10
+
+
+@dataclass(frozen=True)
+class ScaleRow:
+    """One width's medians (module docstring)."""
+
+    engines: int
+    form_s: float
+    epoch_s: float
+    broadcast_s: float
+    cpu_ms: float
+    threads: int
+    rss_mb: float
+    egress_copies: float
+    describe_s: float
+
+    @property
+    def cpu_per_engine_ms(self) -> float:
+        return self.cpu_ms / self.engines
+
+    @property
+    def control_s(self) -> float:
+        return self.epoch_s - self.broadcast_s
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _status(field: str) -> int:
+    """A number from /proc/self/status (Threads, VmRSS in kB)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _written() -> int:
+    """Bytes this process passed to write/send so far (/proc/self/io `wchar`)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _weights(version: int, buckets: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(buckets)}
+
+
+def measure_width(shims: list, epochs: int, buckets: int, first_version: int) -> ScaleRow:
+    """One width: a new Fleet of `shims`, formed, `epochs` in-place epochs from version
+    `first_version` on, one more to warm up first (module docstring)."""
+    from refit_grpc.driver import Fleet, WorkerEndpoint
+
+    endpoints = [WorkerEndpoint(s.instance_id, s.address) for s in shims]
+    peak_threads = [0]
+
+    def on_progress(instance_id: str, index: int, count: int) -> None:
+        # Sampled mid-epoch, where the streams are open (it runs on the driver's I/O thread).
+        peak_threads[0] = max(peak_threads[0], _status("Threads"))
+
+    fleet = Fleet(endpoints, packing=Packing(_BUCKET_BYTES, 2), join_timeout_s=120,
+                  epoch_timeout_s=120)
+    link = None
+    try:
+        t0 = time.perf_counter()
+        first = _weights(0, buckets)
+        fleet.prepare({k: (tuple(v.shape), v.dtype) for k, v in first.items()})
+        link = fleet.connect("127.0.0.1")
+        form_s = time.perf_counter() - t0
+        fleet.refit(link, first, version=first_version)  # warm: channels, buffers, first-epoch costs
+        walls, sends, cpus, copies = [], [], [], []
+        for v in range(first_version + 1, first_version + 1 + epochs):
+            w = _weights(v, buckets)
+            plan_bytes = sum(t.numel() * t.element_size() for t in w.values())
+            c0, b0, t0 = _cpu_s(), _written(), time.perf_counter()
+            report = fleet.refit(link, w, version=v, on_progress=on_progress)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(_cpu_s() - c0)
+            copies.append((_written() - b0) / plan_bytes)
+            sends.append(report.broadcast_seconds)
+        t0 = time.perf_counter()
+        fleet.describe()
+        describe_s = time.perf_counter() - t0
+        return ScaleRow(len(shims), form_s, statistics.median(walls), statistics.median(sends),
+                        statistics.median(cpus) * 1e3, max(peak_threads[0], _status("Threads")),
+                        _status("VmRSS") / 1024, statistics.median(copies), describe_s)
+    finally:
+        if link is not None:
+            link.close()
+        fleet.close()
+
+
+def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
+                    buckets: int = 8, figure: str | None = "build/bench-scale.png",
+                    out=sys.stdout) -> list[ScaleRow]:
+    """The table (module docstring), widest shims started once and shared by every width;
+    returns the rows. `figure`: a PNG of cost against width (matplotlib), or None."""
+    from refit_grpc.testing.forked_shims import ShimForkServer
+
+    say = lambda line: print(line, file=out, flush=True)  # noqa: E731
+    say(f"bench-scale: real shim processes (reference engines, store mode), a plan of {buckets} "
+        f"x 16 KiB buckets, medians of {epochs} in-place epochs per width; trainer pid "
+        f"{os.getpid()}, {os.cpu_count()} cores")
+    rows: list[ScaleRow] = []
+    with ShimForkServer() as server:
+        shims: list = []
+        for width in sorted(widths):
+            shims += [server.start("--model", "none", "--instance-id", f"sc-{i}",
+                                   "--buffer-size-bytes", str(_BUCKET_BYTES),
+                                   "--torch-threads", "1")
+                      for i in range(len(shims), width)]
+            rows.append(measure_width(shims[:width], epochs, buckets,
+                                      first_version=1 + len(rows) * (epochs + 1)))
+            _print_row(say, rows[-1], header=len(rows) == 1)
+    if len(rows) >= 2:
+        a, b = rows[0], rows[-1]
+        say(f"from {a.engines} to {b.engines} engines: trainer CPU per engine "
+            f"{a.cpu_per_engine_ms:.2f} -> {b.cpu_per_engine_ms:.2f} ms, control over the "
+            f"broadcast {a.control_s * 1e3:.0f} -> {b.control_s * 1e3:.0f} ms, threads "
+            f"{a.threads} -> {b.threads}, egress {a.egress_copies:.1f} -> "
+            f"{b.egress_copies:.1f} copies of each byte")
+    if figure:
+        try:
+            _draw(rows, figure)
+            say(f"figure: {figure}")
+        except ImportError:
+            say("figure: skipped, matplotlib is not installed (the dev extra has it)")
+    return rows
+
+
+def _print_row(say, r: ScaleRow, header: bool) -> None:
+    if header:
+        say(f"{'engines':>7} {'form s':>7} {'epoch ms':>9} {'bcast ms':>9} {'control ms':>10} "
+            f"{'cpu ms':>7} {'cpu/eng ms':>10} {'threads':>7} {'rss MB':>7} {'egress x':>8} "
+            f"{'describe ms':>11}")
+    say(f"{r.engines:>7} {r.form_s:>7.2f} {r.epoch_s * 1e3:>9.1f} {r.broadcast_s * 1e3:>9.1f} "
+        f"{r.control_s * 1e3:>10.1f} {r.cpu_ms:>7.1f} {r.cpu_per_engine_ms:>10.3f} "
+        f"{r.threads:>7} {r.rss_mb:>7.0f} {r.egress_copies:>8.1f} {r.describe_s * 1e3:>11.1f}")
+
+
+def _draw(rows: list[ScaleRow], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r.engines for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(n, [r.cpu_per_engine_ms for r in rows], "o-", label="trainer CPU per engine (ms)")
+    left.axhline(0.2, color="grey", linestyle=":", label="goal 0.2 ms")
+    left.set_xlabel("engines")
+    left.set_ylabel("ms per engine per epoch")
+    left.set_xscale("log", base=2)
+    left.legend()
+    right.plot(n, [r.control_s * 1e3 for r in rows], "o-", label="control over broadcast (ms)")
+    right.plot(n, [r.broadcast_s * 1e3 for r in rows], "s--", label="broadcast (ms)")
+    right.plot(n, [r.threads for r in rows], "^-.", label="trainer threads")
+    right.set_xlabel("engines")
+    right.set_xscale("log", base=2)
+    right.legend()
+    fig.suptitle("bench-scale: real shim processes on one host")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # a quick look: python -m refit_grpc.tools.bench_scale [widths...]
+    run_bench_scale(tuple(int(a) for a in sys.argv[1:]) or (8, 16, 32, 64))
