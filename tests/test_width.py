@@ -18,11 +18,13 @@ from functools import partial
 
 import pytest
 
-from refit_grpc import Checks, Fleet, FleetError
+from refit_grpc import Checks, EpochFailedError, Fleet, FleetError
+from refit_grpc.common import Deadline
+from refit_grpc.errors import RefitError
 from refit_grpc.plan import Packing
 from refit_grpc.testing.forked_shims import ShimForkServer
 
-from support import connected, digest_of, endpoint, endpoints, info
+from support import connected, digest_of, endpoint, endpoints, fleet_mid_epoch, info, weights_in_mib
 from support import weights as support_weights
 
 WIDTH = 64
@@ -128,3 +130,31 @@ def test_the_trainers_threads_do_not_grow_with_the_fleet(wide):
     full = threads_during_an_epoch(wide, 7)
     print(f"trainer threads during an epoch: {narrow} with 4 shims, {full} with {len(wide)}")
     assert full - narrow <= 4, (narrow, full)
+
+
+def test_five_shims_killed_mid_epoch_are_named_first_within_a_small_fleets_bound(wide):
+    """Five of WIDTH shims SIGKILLed once every shim ACCEPTED an epoch, before its bytes: the
+    sender stops, and the epoch's failure names those five first (UNAVAILABLE: root causes),
+    then the survivors whose receives the fleet's abort tore down, within the bound of a
+    3-shim fleet (tests/test_fleet.py: 10 s), not the 60 s epoch deadline. The last test of
+    the module: it leaves five shims dead."""
+    victims = [wide[i] for i in (3, 17, 30, 45, 60)]
+    big = weights_in_mib(4)(8)  # 4 MiB in 64 KiB buckets: 64 buckets, far from sent at once
+    with fleet_of(wide) as fleet:
+        link, handle = fleet_mid_epoch(fleet, big, 8)
+        for v in victims:
+            v.signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RefitError):
+            link.sender.send(big, Deadline(60, cancel=handle.failed))
+        link.close()
+        with pytest.raises(EpochFailedError) as err:
+            handle.result()
+        took = time.monotonic() - t0
+    failures = err.value.failures
+    print(f"{len(failures)} failures named in {took:.1f}s; first: "
+          f"{[f.instance_id for f in failures[:6]]}")
+    assert {f.instance_id for f in failures[:5]} == {v.instance_id for v in victims}, \
+        [str(f) for f in failures[:7]]
+    assert all(f.code.name == "UNAVAILABLE" for f in failures[:5]), [str(f) for f in failures[:5]]
+    assert took < 10, took

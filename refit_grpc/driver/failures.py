@@ -16,6 +16,11 @@ from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.errors import Code, MembershipChangedError, RefitError
 from refit_grpc.reasons import Reason
 
+# The reasons the driver gives a worker that did not answer (not what the worker said).
+_CONCLUDED_BY_DRIVER = frozenset({Reason.UNRESPONSIVE, Reason.ACCEPT_TIMEOUT,
+                                  Reason.COMMIT_TIMEOUT, Reason.JOIN_TIMEOUT,
+                                  Reason.DRIVER_ERROR})
+
 
 @dataclass(frozen=True)
 class WorkerFailure:
@@ -37,6 +42,14 @@ class WorkerFailure:
 
     def __str__(self) -> str:
         return f"{self.instance_id}@{self.address}: {self.code.name}/{self.reason}: {self.message}"
+
+    @property
+    def reported_by_worker(self) -> bool:
+        """The worker itself sent this failure, with a reason of its own (its status's
+        ErrorInfo): it was alive and answering when it did. False for a transport failure or a
+        deadline (the reason is the status code's name), a cancel, or what the driver concluded
+        on its own (a timeout, UNRESPONSIVE, DRIVER_ERROR)."""
+        return self.reason != self.code.name and self.reason not in _CONCLUDED_BY_DRIVER
 
 
 class FleetError(RefitError, RuntimeError):
