@@ -187,6 +187,31 @@ def test_abort_before_the_flip_leaves_the_old_version_serving(ready, when):
     assert refusal(lambda: flip(stub, 2, "x"))[1] == "NOT_STAGED"
 
 
+@pytest.mark.parametrize("when", ["staging", "staged"])
+def test_an_abort_that_keeps_staged_copies_spares_a_complete_one_only(ready, when):
+    """What a staged epoch's driver sends to its unfinished receives (keep_staged): one that
+    finished before the Abort arrived keeps its copy and flips; one still receiving ends."""
+    stub = ready.shim.stub
+    if when == "staging":
+        ep = StagedStream(stub, 2, ready.plan.digest)
+        assert ep.accepted.wait(10) and ep.error is None
+    else:
+        _, digest = stage(ready, tensors_v(2), 2)
+    answer = stub.Abort(pb.AbortRequest(reason="unfinished receives", keep_staged=True),
+                        timeout=10)
+    assert answer.epoch_aborted == (when == "staging")
+    if when == "staging":
+        ep.join()
+        assert ep.error is not None and reason(ep.error) == "EPOCH_ABORTED"
+        d = ready.shim.describe()
+        assert (d.state, d.weight_version, d.staged_version) == (pb.SHIM_STATE_PREPARED, 1, 0)
+        return
+    d = ready.shim.describe()
+    assert (d.state, d.weight_version, d.staged_version) == (pb.SHIM_STATE_STAGED, 1, 2)
+    assert flip(stub, 2, digest).version == 2
+    assert ready.shim.describe().weights_digest == store_digest(ready, tensors_v(2))
+
+
 def test_bad_staged_requests_are_refused_before_accepted(ready):
     stub = ready.shim.stub
     base = dict(version=2, plan_digest=ready.plan.digest, group_id="g1")

@@ -18,7 +18,7 @@ from functools import partial
 
 import pytest
 
-from refit_grpc import Checks, EpochFailedError, Fleet, FleetError
+from refit_grpc import Checks, EpochFailedError, Fleet, FleetError, Staged
 from refit_grpc.common import Deadline
 from refit_grpc.errors import RefitError
 from refit_grpc.plan import Packing
@@ -158,3 +158,37 @@ def test_five_shims_killed_mid_epoch_are_named_first_within_a_small_fleets_bound
         [str(f) for f in failures[:7]]
     assert all(f.code.name == "UNAVAILABLE" for f in failures[:5]), [str(f) for f in failures[:5]]
     assert took < 10, took
+
+
+def test_a_staged_epoch_at_width_flips_the_quorum_when_five_die_mid_staging(wide):
+    """The shims still alive (the test above killed five) stage an epoch with a quorum of all but
+    five; five more are SIGKILLed at the first bucket anywhere. The epoch flips every survivor
+    to the trainer's bytes (checked digests), leaves the five behind by name, and the fleet goes
+    on without them. The last test of the module: it leaves these five dead too."""
+    import threading
+
+    alive = [s for s in wide if s.process.exitcode is None]
+    victims = alive[5:55:10]
+    fired = threading.Event()
+
+    def on_progress(*_progress) -> None:  # on the driver's I/O thread: os.kill does not block
+        if not fired.is_set():
+            fired.set()
+            for v in victims:
+                v.signal(signal.SIGKILL)
+
+    big = weights_in_mib(4)
+    with fleet_of(alive) as fleet:
+        link = connected(fleet, big(9))
+        report = fleet.refit(link, big(9), version=9, checks=Checks(verify=True),
+                             epoch=Staged(min_engines=len(alive) - len(victims)),
+                             on_progress=on_progress)
+        assert fired.is_set()
+        assert sorted(f.instance_id for f in report.left_behind) == \
+            sorted(v.instance_id for v in victims), [str(f) for f in report.left_behind]
+        assert len(report.workers) == len(alive) - len(victims)
+        assert {w.weights_digest for w in report.workers} == {digest_of(big(9))}
+        # The next epoch runs on the survivors alone.
+        after = fleet.refit(link, big(10), version=10, checks=Checks(verify=True))
+        assert len(after.workers) == len(alive) - len(victims)
+        link.close()

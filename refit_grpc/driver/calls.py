@@ -131,10 +131,12 @@ class ShimCalls:
 
         return self.io.run(self._answers(links, [one(w) for w in links]))
 
-    def abort(self, reason: str, links: Sequence[WorkerLink]) -> list[pb.AbortResponse | None]:
+    def abort(self, reason: str, links: Sequence[WorkerLink], *, keep_staged: bool = False
+              ) -> list[pb.AbortResponse | None]:
         """Abort on every link at once; best effort, never raises, never retries, bounded by
-        `abort_timeout_s`: one entry per link, its answer or None."""
-        request = pb.AbortRequest(reason=reason)
+        `abort_timeout_s`: one entry per link, its answer or None. `keep_staged`: a shim whose
+        staged copy is complete keeps it (AbortRequest.keep_staged)."""
+        request = pb.AbortRequest(reason=reason, keep_staged=keep_staged)
         return [None if isinstance(a, WorkerFailure) else a
                 for a in self.once("Abort", links, lambda w: request,
                                    self.config.abort_timeout_s)]

@@ -199,12 +199,13 @@ class GroupFormation:
         self.group_id = None
         self.membership.group_gone()
 
-    def abort_epoch(self, reason: str, shims: Sequence[WorkerLink]
+    def abort_epoch(self, reason: str, shims: Sequence[WorkerLink], keep_staged: bool = False
                     ) -> list[pb.AbortResponse | None]:
         """An epoch gave up: the shims it aborts drop their group, so the fleet has none
-        either (the next epoch needs a formation first, said before any RPC)."""
+        either (the next epoch needs a formation first, said before any RPC). `keep_staged`:
+        a staged epoch's, whose complete copies wait for the flip."""
         self.drop()
-        return self.calls.abort(reason, shims)
+        return self.calls.abort(reason, shims, keep_staged=keep_staged)
 
     # --- plumbing --------------------------------------------------------------------------
 

@@ -206,9 +206,10 @@ class ShimCore:
 
     # --- Abort ------------------------------------------------------------------------------
 
-    def abort(self, reason: str) -> Epoch | None:
-        """Cancel whatever runs (epoch, join, catch-up), drop the group and a staged version;
-        the epoch in flight, if any (its own handler finishes the transition)."""
+    def abort(self, reason: str, keep_staged: bool = False) -> Epoch | None:
+        """Cancel whatever runs (epoch, join, catch-up), drop the group and, unless
+        `keep_staged`, a staged version; the epoch in flight, if any (its own handler finishes
+        the transition)."""
         with self.lock:
             epoch = self.epoch
             if epoch is not None:
@@ -220,7 +221,7 @@ class ShimCore:
                 self.catch_up.deadline.cancel.set()
             self.last_error = f"aborted: {reason}"
             self.group = None
-            staged = self.take_staged_locked()
+            staged = None if keep_staged else self.take_staged_locked()
         self.engine.abort_transfer()  # unblocks a pending receive or join on every peer
         if staged is not None:
             self.engine.drop_staged()

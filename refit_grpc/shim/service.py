@@ -356,7 +356,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             reason = printable(request.reason[:MAX_REASON_CHARS])
             if len(request.reason) > MAX_REASON_CHARS:
                 reason += f"...({len(request.reason)} chars)"
-            aborted = core.abort(reason or "Abort called")
+            aborted = core.abort(reason or "Abort called", keep_staged=request.keep_staged)
             # The epoch's own handler finishes the transition; wait briefly so the answer is
             # final.
             end = time.monotonic() + 5.0
