@@ -180,15 +180,18 @@ def test_a_staged_epoch_at_width_flips_the_quorum_when_five_die_mid_staging(wide
     big = weights_in_mib(4)
     with fleet_of(alive) as fleet:
         link = connected(fleet, big(9))
-        report = fleet.refit(link, big(9), version=9, checks=Checks(verify=True),
+        # Whole again first: the test above left the shims that got bytes BROKEN, and a BROKEN
+        # engine whose staged receive a dead peer broke is left behind, not tried again.
+        fleet.refit(link, big(9), version=9)
+        report = fleet.refit(link, big(10), version=10, checks=Checks(verify=True),
                              epoch=Staged(min_engines=len(alive) - len(victims)),
                              on_progress=on_progress)
         assert fired.is_set()
         assert sorted(f.instance_id for f in report.left_behind) == \
             sorted(v.instance_id for v in victims), [str(f) for f in report.left_behind]
         assert len(report.workers) == len(alive) - len(victims)
-        assert {w.weights_digest for w in report.workers} == {digest_of(big(9))}
+        assert {w.weights_digest for w in report.workers} == {digest_of(big(10))}
         # The next epoch runs on the survivors alone.
-        after = fleet.refit(link, big(10), version=10, checks=Checks(verify=True))
+        after = fleet.refit(link, big(11), version=11, checks=Checks(verify=True))
         assert len(after.workers) == len(alive) - len(victims)
         link.close()
