@@ -191,6 +191,7 @@ def _draw(rows: list[ScaleRow], path: str) -> None:
     left.set_xlabel("engines")
     left.set_ylabel("ms per engine per epoch")
     left.set_xscale("log", base=2)
+    left.set_ylim(bottom=0)
     left.legend()
     right.plot(n, [r.control_s * 1e3 for r in rows], "o-", label="control over broadcast (ms)")
     right.plot(n, [r.broadcast_s * 1e3 for r in rows], "s--", label="broadcast (ms)")
