@@ -141,7 +141,7 @@ bench-catch-up: proto
 
 # What control costs the trainer as the fleet widens: 8 to 64 real shim processes, a tiny plan, the
 # trainer's CPU per engine, threads, memory and egress per width, figure in build/bench-scale.png
-# (docs/bench.md). About 2 minutes on 2 cores.
+# (docs/scale.md). Under a minute on 2 cores.
 bench-scale: proto
 	$(VENV)/bin/refit-grpc bench-scale $(BENCH_FLAGS)
 
