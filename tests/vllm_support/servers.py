@@ -188,8 +188,9 @@ class Rig:
     def __init__(self, pool, name: str, model_dir: Path, dtype: str = "float32",
                  buffer_size_bytes: int = 256 * 1024, epoch_timeout_s: float = 60.0,
                  env: dict[str, str] | None = None, tensor_parallel: int = 1,
-                 server: VLLMServer | None = None):
+                 server: VLLMServer | None = None, extra_args: tuple[str, ...] = ()):
         self.pool, self.name, self.model_dir, self.dtype = pool, name, model_dir, dtype
+        self.extra_args = tuple(extra_args)  # more vLLM flags (e.g. --quantization)
         # A server given here (a `SharedServers` one) is used, never stopped, by the rig.
         self.own_server = server is None
         self.env = dict(env or {})
@@ -213,6 +214,7 @@ class Rig:
         extra = () if self.dtype == "float32" else ("--dtype", self.dtype)
         if self.tensor_parallel > 1:
             extra += ("--tensor-parallel-size", str(self.tensor_parallel))
+        extra += self.extra_args
         self.server = VLLMServer(self.model_dir, log_path=self.pool.log_dir / f"{self.name}.log",
                                  extra_args=extra, env=self.env)
         self.pool.started.append(self.server)
@@ -246,9 +248,9 @@ class Rig:
         assert self.server is not None
         return self.server.url
 
-    def refit(self, tensors: dict, version: int, canary=None):
-        """One `Fleet.refit` (with its Flush, and the canary when given); a new plan, or a failed
-        epoch, forms a new group first."""
+    def refit(self, tensors: dict, version: int, canary=None, epoch=None):
+        """One `Fleet.refit` (`epoch`: in place with its Flush by default; the canary when
+        given); a new plan, or a failed epoch, forms a new group first."""
         info = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
         if self._link is None or info != self._link_info:
             self._close_link()
@@ -256,7 +258,8 @@ class Rig:
             self._link, self._link_info = self.fleet.connect("127.0.0.1"), info
         try:
             return self.fleet.refit(self._link, tensors, version=version,
-                                    checks=Checks(canary=canary))
+                                    checks=Checks(canary=canary),
+                                    **({} if epoch is None else {"epoch": epoch}))
         except BaseException:
             self._close_link()
             raise
