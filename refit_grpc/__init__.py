@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from refit_grpc.errors import InvalidArgumentError as InvalidArgumentError
     from refit_grpc.errors import MembershipChangedError as MembershipChangedError
     from refit_grpc.errors import RefitError as RefitError
+    from refit_grpc.plan import AdapterSpec as AdapterSpec
     from refit_grpc.plan import Packing as Packing
     from refit_grpc.plan import RefitPlan as RefitPlan
     from refit_grpc.plan import TensorSpec as TensorSpec

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -115,15 +116,106 @@ def bucket_boundaries(sizes: Sequence[int], buffer_size_bytes: int) -> list[tupl
     return bounds
 
 
+# An adapter's name is what requests select it by (vLLM: a request's "model"); bounded so that it
+# fits a status message and a metric label.
+MAX_ADAPTER_NAME_BYTES = 256
+MAX_PEFT_CONFIG_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What an adapter epoch carries (docs/adapters.md): the plan's tensors are a LoRA adapter's,
+    under PEFT's names (`base_model.model.<module>.lora_A.weight`), loaded or replaced in the
+    engine under `name`; the base model is not touched.
+
+    Args:
+        name: what requests name to use it.
+        peft_config: PEFT's adapter_config.json as JSON text (rank `r`, `lora_alpha`,
+            `target_modules`, ...): what the engine needs to build the adapter from tensors.
+    """
+
+    name: str
+    peft_config: str
+
+    @classmethod
+    def of(cls, name: str, peft_config: Mapping[str, object] | str) -> AdapterSpec:
+        """From a PEFT config (a `LoraConfig.to_dict()`, or its JSON), written canonically (sorted
+        keys) so that every side computes the same plan digest."""
+        config = json.loads(peft_config) if isinstance(peft_config, str) else dict(peft_config)
+        spec = cls(name, json.dumps(config, sort_keys=True, default=_json_default))
+        spec.validate()
+        return spec
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.peft_config)
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    def validate(self) -> None:
+        """Raise InvalidPlanError (INVALID_ADAPTER) naming what is wrong; what the engine can
+        serve (its maximum rank, the modules it can adapt) is the engine's check."""
+        if not self.name or len(self.name.encode()) > MAX_ADAPTER_NAME_BYTES \
+                or not self.name.isprintable() or self.name != self.name.strip():
+            raise InvalidPlanError(f"adapter name {self.name[:64]!r}: 1 to "
+                                   f"{MAX_ADAPTER_NAME_BYTES} printable bytes, no surrounding "
+                                   "space", reason=Reason.INVALID_ADAPTER)
+        if len(self.peft_config.encode()) > MAX_PEFT_CONFIG_BYTES:
+            raise InvalidPlanError(f"adapter {self.name!r}: its PEFT config is over "
+                                   f"{MAX_PEFT_CONFIG_BYTES} bytes", reason=Reason.INVALID_ADAPTER)
+        try:
+            config = json.loads(self.peft_config)
+        except ValueError as e:
+            raise InvalidPlanError(f"adapter {self.name!r}: its PEFT config is not JSON ({e})",
+                                   reason=Reason.INVALID_ADAPTER) from None
+        if not isinstance(config, dict):
+            raise InvalidPlanError(f"adapter {self.name!r}: its PEFT config is not an object",
+                                   reason=Reason.INVALID_ADAPTER)
+        r = config.get("r")
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise InvalidPlanError(f"adapter {self.name!r}: PEFT config rank r={r!r}, not an "
+                                   "integer >= 1", reason=Reason.INVALID_ADAPTER)
+        targets = config.get("target_modules")
+        if not targets or not isinstance(targets, (str, list)):
+            raise InvalidPlanError(f"adapter {self.name!r}: PEFT config names no "
+                                   "target_modules", reason=Reason.INVALID_ADAPTER)
+
+    def plan_tensors_check(self, tensors: Sequence[TensorSpec]) -> None:
+        """Every tensor of an adapter plan is a LoRA factor (PEFT's `lora_A` / `lora_B`
+        names): an adapter epoch never carries base weights."""
+        for s in tensors:
+            if ".lora_A." not in s.name and ".lora_B." not in s.name:
+                raise InvalidPlanError(
+                    f"adapter {self.name!r}: tensor {s.name!r} is not a LoRA factor (PEFT "
+                    "names them ...lora_A.weight / ...lora_B.weight); an adapter epoch carries "
+                    "the adapter's tensors only", reason=Reason.INVALID_ADAPTER)
+
+
+def _json_default(value: object) -> object:
+    """PEFT configs hold sets (target_modules) and enums: written as JSON lists and values."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    inner = getattr(value, "value", None)
+    if isinstance(inner, (str, int, float)):
+        return inner
+    return str(value)
+
+
 @dataclass(frozen=True)
 class RefitPlan:
     tensors: tuple[TensorSpec, ...]
     packing: Packing = Packing()
+    # Set for an adapter epoch's plan (`AdapterSpec`); None for the model's own weights.
+    adapter: AdapterSpec | None = None
 
     @classmethod
     def from_state_dict_info(cls, info: Mapping[str, tuple[Sequence[int], object]],
-                             packing: Packing | None = None) -> RefitPlan:
-        """`{name: (shape, dtype)}` in iteration order, the `prepare()` input of NeMo RL's channel.
+                             packing: Packing | None = None,
+                             adapter: AdapterSpec | None = None) -> RefitPlan:
+        """`{name: (shape, dtype)}` in iteration order, the `prepare()` input of NeMo RL's channel
+        (`adapter`: an adapter epoch's plan).
 
         dtype may be a torch.dtype or its name (with or without the "torch." prefix).
         """
@@ -133,7 +225,7 @@ class RefitPlan:
         for name, (shape, dtype) in info.items():
             dt = dtype if isinstance(dtype, torch.dtype) else dtype_from_name(str(dtype))
             specs.append(TensorSpec(name, tuple(int(d) for d in shape), dt))
-        plan = cls(tuple(specs), packing or Packing())
+        plan = cls(tuple(specs), packing or Packing(), adapter)
         plan.validate()
         return plan
 
@@ -174,6 +266,9 @@ class RefitPlan:
         if max_total_bytes is not None and self.total_bytes > max_total_bytes:
             raise PlanTooLargeError(
                 f"plan is {self.total_bytes} bytes, limit {max_total_bytes}")
+        if self.adapter is not None:
+            self.adapter.validate()
+            self.adapter.plan_tensors_check(self.tensors)
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Refuse, before any byte moves, tensors that do not match the plan (every sender's
@@ -210,6 +305,10 @@ class RefitPlan:
             name = s.name.encode()
             h.update(f"{len(name)}:".encode() + name)
             h.update(f":{dtype_name(s.dtype)}:{','.join(map(str, s.shape))}\n".encode())
+        if self.adapter is not None:  # absent for a model's plan: its digest is unchanged
+            for field in (self.adapter.name, self.adapter.peft_config):
+                raw = field.encode()
+                h.update(f"adapter:{len(raw)}:".encode() + raw + b"\n")
         return h.hexdigest()
 
     def state_dict_info(self) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -76,6 +76,10 @@ class Reason(enum.StrEnum):
     DELTA_BASE_MISMATCH = "DELTA_BASE_MISMATCH"
     INVALID_KEEP_CACHE = "INVALID_KEEP_CACHE"
     KEEP_CACHE_UNSUPPORTED = "KEEP_CACHE_UNSUPPORTED"
+    # --- adapter epochs (a plan that names a LoRA adapter) -----------------------------------
+    INVALID_ADAPTER = "INVALID_ADAPTER"
+    ADAPTER_UNSUPPORTED = "ADAPTER_UNSUPPORTED"
+    ADAPTER_NOT_STAGED = "ADAPTER_NOT_STAGED"
     # --- rollback to the previous copy (Rollback) ------------------------------------------
     ROLLBACK_UNSUPPORTED = "ROLLBACK_UNSUPPORTED"
     NO_PREVIOUS_COPY = "NO_PREVIOUS_COPY"

@@ -481,6 +481,11 @@ def test_prepare(rig):
         "tensors": st.sampled_from([0, 10_001]),
         "buffer_size_bytes": st.integers(INT64[0], 0),
         "num_buffers": st.integers(INT32[0], 0),
+        # Any adapter: malformed (INVALID_ADAPTER: name, config, tensors that are not LoRA
+        # factors) or not one the reference engine serves (ADAPTER_UNSUPPORTED).
+        "adapter": st.tuples(st.one_of(st.text(max_size=300), st.just("tenant")),
+                             st.one_of(st.text(max_size=200),
+                                       st.just('{"r": 8, "target_modules": ["q_proj"]}'))),
     }
 
     @SETTINGS
@@ -505,13 +510,15 @@ def test_prepare(rig):
                 request.tensors.extend(tensor(f"t{i}") for i in range(value))
             elif key == "buffer_size_bytes":
                 request.packing.buffer_size_bytes = value
+            elif key == "adapter":
+                request.adapter.name, request.adapter.peft_config_json = value
             else:
                 request.packing.num_buffers = value
         call(rig, "Prepare", request)
 
     check()
-    assert {"name", "shape", "dtype", "tensors", "buffer_size_bytes", "num_buffers"} <= \
-        mutated["Prepare"]
+    assert {"name", "shape", "dtype", "tensors", "buffer_size_bytes", "num_buffers",
+            "adapter"} <= mutated["Prepare"]
 
 
 # --- garbage ------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def test_status_flush_abort_with_a_killed_worker(fleet_of_three):
     print(f"\n$ refit-grpc fleet status ...  (exit {down.returncode})\n{down.stdout}")
     assert down.returncode == 1, down.stdout + down.stderr
     table = rows(down.stdout)
-    assert table["w2"][2:9] == ["-"] * 7 and table["w2"][9] == "UNAVAILABLE:"
+    assert table["w2"][2:10] == ["-"] * 8 and table["w2"][10] == "UNAVAILABLE:"
     assert table["w0"][2] == table["w1"][2] == "READY"
     assert "3 workers: 2 ok, 1 failing (w2)" in down.stdout
 

@@ -114,6 +114,7 @@ def test_describe_when_empty(shim):
     assert d.instance_id and d.weight_version == 0 and d.rank_offset == -1
     assert d.packing.buffer_size_bytes == 1 << 30 and d.packing.num_buffers == 2
     assert d.engine_healthy and not d.paused and d.weights_digest
+    assert d.quantization == "none"  # it holds the bytes it is sent
 
 
 def test_calls_in_the_wrong_state_are_refused(shim, closed_port):

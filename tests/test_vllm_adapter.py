@@ -6,6 +6,7 @@ test_vllm_engine.py; these run everywhere, vLLM installed or not.)"""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -261,6 +262,38 @@ def test_check_plan_uses_the_checkpoint_names(tmp_path):
     with pytest.raises(InvalidPlanError) as e:
         engine.check_plan(RefitPlan((TensorSpec("model.norm.weight", (9,), torch.float32),)))
     assert e.value.reason == "TENSOR_MISMATCH"
+
+
+def _checkpoint(directory, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A safetensors file of zeros: name -> (safetensors dtype, shape)."""
+    sizes = {"F32": 4, "BF16": 2, "I8": 1, "F8_E4M3": 1}
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        n = sizes[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    (directory / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw
+                                                  + bytes(offset))
+
+
+def test_check_plan_refuses_a_dtype_the_engine_would_load_as_garbage(tmp_path):
+    """Floating dtypes cast (fp32 masters into bf16, or into an engine that quantizes online);
+    integer values into a floating parameter, or trained values into a pre-quantized one, are
+    refused at Prepare, named, with what to send instead."""
+    _checkpoint(tmp_path, {"w": ("BF16", [4, 8]), "q": ("F8_E4M3", [4, 8])})
+    engine = VLLMEngine("http://127.0.0.1:1", checkpoint_dir=str(tmp_path))
+    engine._quantization = "fp8_per_channel"  # as the workers would say (engine_info)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        engine.check_plan(RefitPlan((TensorSpec("w", (4, 8), dtype),)))
+    engine.check_plan(RefitPlan((TensorSpec("q", (4, 8), torch.float8_e4m3fn),)))
+    with pytest.raises(InvalidPlanError) as e:
+        engine.check_plan(RefitPlan((TensorSpec("w", (4, 8), torch.int8),)))
+    assert e.value.reason == "TENSOR_MISMATCH" and "'w'" in e.value.message, e.value
+    assert "online (fp8_per_channel)" in e.value.message and "bf16" in e.value.message
+    with pytest.raises(InvalidPlanError) as e:
+        engine.check_plan(RefitPlan((TensorSpec("q", (4, 8), torch.bfloat16),)))
+    assert e.value.reason == "TENSOR_MISMATCH" and "pre-quantized as F8_E4M3" in e.value.message
 
 
 def test_a_shim_whose_engine_is_gone_reports_not_serving_and_unavailable():

@@ -45,7 +45,7 @@ require_vllm()
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
-from refit_grpc import CanaryMismatchError, InPlace, Staged  # noqa: E402
+from refit_grpc import CanaryMismatchError, FleetError, InPlace, Staged  # noqa: E402
 from refit_grpc.integrations.hf import canary_from_model, checkpoint_state_dict  # noqa: E402
 from refit_grpc.integrations.quantization import INT8_MOE, emulate_quantization  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
@@ -259,3 +259,27 @@ def test_the_canary_fails_an_engine_that_kept_its_old_scales_and_passes_the_good
           f"{worker.canary_gap:.2e} on the good one (tolerance {QUANT_TOL})")
     assert gap > 3 * QUANT_TOL, gap
     assert worker.canary_gap is not None and worker.canary_gap <= QUANT_TOL, worker
+
+
+def test_describe_says_int8_and_prepare_refuses_a_dtype_the_engine_cannot_quantize(rig, trainer):
+    """Describe names the engine's quantization (asked of its workers); a plan sending the
+    experts as int8 (values -128..127 the loader would cast to bf16, not a quantized weight) is
+    refused at Prepare, TENSOR_MISMATCH naming the tensor and the method, and nothing changes:
+    the plan, the version and what the engine computes."""
+    (d,) = rig.fleet.describe(weights_digest=False)
+    assert d.quantization == INT8_MOE, d.quantization
+    before = engine_logprobs(rig.url, HELD_OUT)
+    tensors = to_send(trainer["model"])
+    experts = next(n for n in tensors if n.endswith("mlp.experts.0.down_proj.weight"))
+    info = {n: (tuple(t.shape), torch.int8 if n == experts else t.dtype)
+            for n, t in tensors.items()}
+    with pytest.raises(FleetError) as caught:
+        rig.fleet.prepare(info)
+    (failure,) = caught.value.failures
+    print(f"\nrefused: {failure.reason}: {failure.message}")
+    assert failure.instance_id == INT8 and failure.reason == Reason.TENSOR_MISMATCH, failure
+    assert repr(experts) in failure.message and f"online ({INT8_MOE})" in failure.message, failure
+    (after,) = rig.fleet.describe(weights_digest=False)
+    assert (after.plan_digest, after.weight_version, after.state) == \
+        (d.plan_digest, d.weight_version, d.state), after
+    assert torch.equal(engine_logprobs(rig.url, HELD_OUT), before)

@@ -123,6 +123,9 @@ class StatusRow:
     catching_up_from: str = ""
     catch_up_fraction: float | None = None
     serving_catch_up_to: str = ""
+    # How the engine quantizes what it is sent (Describe.quantization): "none", a method, or ""
+    # when its shim cannot tell.
+    quantization: str = ""
 
 
 @dataclass
@@ -163,7 +166,7 @@ def status_rows(fleet) -> list[StatusRow]:
             catching_up_from=d.catching_up_from,
             catch_up_fraction=_fraction(d.catch_up_bytes_received, fleet.plan)
             if d.catching_up_from else None,
-            serving_catch_up_to=d.serving_catch_up_to))
+            serving_catch_up_to=d.serving_catch_up_to, quantization=d.quantization))
     return rows
 
 
@@ -269,10 +272,10 @@ def render_status(rows: list[StatusRow]) -> str:
         return str(r.version) + (f" ({', '.join(notes)})" if notes else "")
 
     table = format_table(
-        ["INSTANCE", "ADDRESS", "STATE", "VERSION", "PLAN", "GROUP", "HEALTHY", "CANARY",
-         "STALL", "LAST ERROR"],
+        ["INSTANCE", "ADDRESS", "STATE", "VERSION", "PLAN", "GROUP", "HEALTHY", "QUANT",
+         "CANARY", "STALL", "LAST ERROR"],
         [[r.instance, r.address, r.state, version(r), r.plan_digest[:DIGEST_PREFIX] or "-",
-          r.group or "-", yes_no(r.engine_healthy), canary(r),
+          r.group or "-", yes_no(r.engine_healthy), r.quantization or "-", canary(r),
           "-" if r.last_stall_s is None else f"{r.last_stall_s * 1e3:.0f}ms",
           _short(r.error or r.last_error) or "-"] for r in rows])
     return table + "\n" + _summary(rows)

@@ -46,7 +46,7 @@ from refit_grpc.driver.reports import EpochReport, RollbackReport, WorkerReport
 from refit_grpc.driver.rollback import Rollbacks
 from refit_grpc.driver.staged import StagedRound
 from refit_grpc.errors import InvalidArgumentError
-from refit_grpc.plan import Packing, RefitPlan
+from refit_grpc.plan import AdapterSpec, Packing, RefitPlan
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
 
@@ -172,9 +172,14 @@ class Fleet:
         needs (`collective.Group.join`); None before any formation, or after a failed epoch."""
         return self.formation.group_id
 
-    def prepare(self, state_dict_info: Mapping[str, tuple[Sequence[int], Any]]) -> RefitPlan:
+    def prepare(self, state_dict_info: Mapping[str, tuple[Sequence[int], Any]], *,
+                adapter: AdapterSpec | None = None) -> RefitPlan:
         """Store the plan (`state_dict_info`: `{name: (shape, dtype)}` in packing order, dtype
         a torch.dtype or its name) on every member; returns it, its digest every shim's.
+
+        `adapter`: the plan is a LoRA adapter's (its tensors only, PEFT's names), loaded or
+        replaced in every engine under `adapter.name` by each epoch's flip, without pausing
+        the engine (docs/adapters.md). Its epochs are staged.
 
         Raises:
             FleetStateError: FLEET_CLOSED.
@@ -185,7 +190,8 @@ class Fleet:
         refuse_unless(self.state, _OPEN, "prepare()")
         if state_dict_info is None:
             raise InvalidArgumentError("state_dict_info is None", reason=Reason.INVALID_PLAN)
-        plan = RefitPlan.from_state_dict_info(state_dict_info, self.negotiate_packing())
+        plan = RefitPlan.from_state_dict_info(state_dict_info, self.negotiate_packing(),
+                                              adapter)
         prepare_on(self.calls, plan, links_of(self.membership.members))
         self._plan = plan
         return plan
@@ -271,7 +277,8 @@ class Fleet:
                 FLEET_CLOSED).
             MembershipChangedError: `validate_workers` reports a change.
         """
-        epoch, checks = options("update_weights", epoch, checks, deprecated)
+        epoch, checks = options("update_weights", epoch, checks, deprecated,
+                                adapter=self._plan is not None and self._plan.adapter is not None)
         if isinstance(epoch, Staged):
             epoch.check_pause_mode(pause_mode)
         plan = self._plan_for("update_weights()", _CONNECTED)
@@ -316,7 +323,8 @@ class Fleet:
             WeightsMismatchError, CanaryMismatchError: a check failed; engines left paused.
             FleetError: the flush failed.
         """
-        epoch, checks = options("refit", epoch, checks, deprecated)
+        epoch, checks = options("refit", epoch, checks, deprecated,
+                                adapter=self._plan is not None and self._plan.adapter is not None)
         if isinstance(epoch, Staged):
             epoch.check_pause_mode(pause_mode)
         link.sender.check_tensors(tensors)  # refuse bad input before any shim pauses

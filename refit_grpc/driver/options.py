@@ -4,6 +4,7 @@ to a mode cannot be passed to it; what both modes check is `Checks` (`driver.che
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -97,9 +98,11 @@ LEGACY_KEYWORDS = {"refit": ("flush", "verify_weights", "canary", "mode", "min_e
 
 
 def options(what: str, epoch: Epoch | None, checks: Checks | None,
-            legacy: Mapping[str, Any]) -> tuple[Epoch, Checks]:
+            legacy: Mapping[str, Any], adapter: bool = False) -> tuple[Epoch, Checks]:
     """The epoch and checks `refit()` or `update_weights()` was given: `epoch=` and `checks=`,
-    or (deprecated) the keywords of `LEGACY_KEYWORDS[what]`, never both.
+    or (deprecated) the keywords of `LEGACY_KEYWORDS[what]`, never both. `adapter`: the plan
+    is an adapter's, whose epochs are staged (the default `Staged(reversible=False)`: an adapter
+    flip keeps no previous copy, docs/adapters.md).
 
     Raises:
         TypeError: a keyword the call never took.
@@ -123,6 +126,12 @@ def options(what: str, epoch: Epoch | None, checks: Checks | None,
     if epoch is not None and not isinstance(epoch, InPlace | Staged):
         raise InvalidArgumentError(f"epoch must be InPlace(...) or Staged(...), got {epoch!r}",
                                    reason=Reason.INVALID_EPOCH_MODE)
+    if adapter:
+        if isinstance(epoch, InPlace):
+            raise InvalidArgumentError(
+                f"{what}(): an adapter epoch is staged (its flip replaces the adapter without "
+                "pausing the engine); pass Staged(...) or no epoch", reason=Reason.ADAPTER_NOT_STAGED)
+        return dataclasses.replace(epoch or Staged(), reversible=False), checks or Checks()
     return epoch or InPlace(), checks or Checks()
 
 

@@ -17,11 +17,14 @@ from refit_grpc.reasons import Reason
 
 def prepare_request(plan: RefitPlan) -> pb.PrepareRequest:
     """The Prepare every shim gets for `plan`."""
+    adapter = plan.adapter
     return pb.PrepareRequest(
         tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=DTYPE_TO_PROTO[s.dtype])
                  for s in plan.tensors],
         packing=pb.Packing(buffer_size_bytes=plan.packing.buffer_size_bytes,
-                           num_buffers=plan.packing.num_buffers))
+                           num_buffers=plan.packing.num_buffers),
+        adapter=pb.LoraAdapter(name=adapter.name, peft_config_json=adapter.peft_config)
+        if adapter is not None else None)
 
 
 def check_prepared(plan: RefitPlan, links: Sequence[WorkerLink],

@@ -99,7 +99,28 @@ def check_epoch_locked(core: ShimCore, request: pb.UpdateWeightsRequest,
         raise FailedPreconditionError(
             f"group_id {request.group_id!r} != joined {core.group.group_id!r}",
             reason=Reason.GROUP_MISMATCH)
+    if plan.adapter is not None:
+        _check_adapter_epoch(plan, epoch)
     return plan
+
+
+def _check_adapter_epoch(plan: RefitPlan, epoch: Epoch) -> None:
+    """An adapter's epoch is staged, full and without a canary (docs/adapters.md): its flip
+    replaces the adapter while the engine serves, so there is no pause to run an in-place
+    receive or a canary in, and no committed copy to apply a delta to."""
+    assert plan.adapter is not None
+    name = plan.adapter.name
+    if not epoch.staged:
+        raise FailedPreconditionError(
+            f"adapter {name!r}: an adapter epoch is staged (mode EPOCH_MODE_STAGED); its flip "
+            "replaces the adapter without pausing the engine", reason=Reason.ADAPTER_NOT_STAGED)
+    if epoch.delta:
+        raise FailedPreconditionError(f"adapter {name!r}: adapter epochs are full, not deltas",
+                                      reason=Reason.DELTA_UNSUPPORTED)
+    if epoch.canary is not None:
+        raise FailedPreconditionError(
+            f"adapter {name!r}: no canary on an adapter epoch (nothing is paused to hold a "
+            "failed one back)", reason=Reason.CANARY_UNSUPPORTED)
 
 
 def _check_delta_base(engine: Engine, request: pb.UpdateWeightsRequest) -> None:

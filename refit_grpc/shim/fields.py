@@ -22,7 +22,7 @@ from refit_grpc.errors import (
     InvalidPlanError,
     PlanTooLargeError,
 )
-from refit_grpc.plan import DTYPES, Packing, RefitPlan, TensorSpec
+from refit_grpc.plan import DTYPES, AdapterSpec, Packing, RefitPlan, TensorSpec
 from refit_grpc.proto import DTYPE_FROM_PROTO, PAUSE_MODE_FROM_PROTO, pb
 from refit_grpc.reasons import Reason
 
@@ -152,7 +152,9 @@ def plan_from_request(request: pb.PrepareRequest, max_plan_tensors: int) -> Refi
         packing = Packing(request.packing.buffer_size_bytes, request.packing.num_buffers)
     else:
         packing = Packing()
-    return RefitPlan(tuple(specs), packing)
+    adapter = AdapterSpec(request.adapter.name, request.adapter.peft_config_json) \
+        if request.HasField("adapter") else None
+    return RefitPlan(tuple(specs), packing, adapter)  # validated (the adapter too) by the caller
 
 
 def packing_pb(p: Packing) -> pb.Packing:

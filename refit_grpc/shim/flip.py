@@ -119,6 +119,8 @@ def load(core: ShimCore, staged: StagedVersion, mode: PauseMode, stay_paused: bo
     (checked by `check_keep_cache`): the parked requests keep their KV cache and the prefix
     cache stays, so they go on after the resume without recomputing (off-policy tokens)."""
     engine = core.engine
+    if core.plan is not None and core.plan.adapter is not None:
+        return _commit_adapter(core, staged, deadline)
     was_paused = engine.is_paused() and not resume_paused
     t_pause = time.monotonic()
     try:
@@ -145,6 +147,30 @@ def load(core: ShimCore, staged: StagedVersion, mode: PauseMode, stay_paused: bo
     return pb.FlipResponse(version=staged.version, stall_seconds=stall, load_seconds=load_s,
                            weights_digest=digest, canary=canary_result, resumed=resumed,
                            previous_copy_version=previous[0] if previous else 0)
+
+
+def _commit_adapter(core: ShimCore, staged: StagedVersion,
+                    deadline: Deadline) -> pb.FlipResponse:
+    """An adapter epoch's flip: the engine loads or replaces the adapter from its staged copy
+    while it serves. Nothing is paused: requests for the base model and other adapters go on,
+    those naming this one use the new version from their next step. The engine builds the new
+    adapter before it lets the old one go, so a failed commit leaves the old one serving and
+    the base model untouched: the shim stays whole (not BROKEN), the staged copy is dropped."""
+    engine = core.engine
+    t_load = time.monotonic()
+    try:
+        engine.flip(staged.version, deadline)
+    except BaseException:
+        engine.drop_staged()
+        raise
+    load_s = time.monotonic() - t_load
+    with core.lock:
+        core.commit_locked(staged.version, None)
+        core.last_stall_s = 0.0
+    log.info("adapter epoch: version %d committed in %.3fs, nothing paused", staged.version,
+             load_s)
+    return pb.FlipResponse(version=staged.version, stall_seconds=0.0, load_seconds=load_s,
+                           resumed=False)
 
 
 def _load_or_break(core: ShimCore, staged: StagedVersion,

@@ -118,12 +118,19 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     catching_up_from=catching_up.other if catching_up else "",
                     catch_up_bytes_received=catching_up.bytes_received if catching_up else 0,
                     previous_copy_version=previous[0] if previous else 0,
-                    previous_copy_digest=previous[1] if previous else "")
+                    previous_copy_digest=previous[1] if previous else "",
+                    quantization=self.engine.quantization,
+                    adapters=[pb.AdapterVersion(name=name, version=version)
+                              for name, version in sorted(self.engine.adapters.items())])
 
     def Prepare(self, request, context):
         with status_on_error(context):
             plan = plan_from_request(request, self.config.max_plan_tensors)
             plan.validate(self.config.max_plan_bytes, self.config.max_plan_tensors)
+            if plan.adapter is not None and not self.engine.capabilities.adapters:
+                raise FailedPreconditionError(
+                    f"the {self.engine.kind} engine serves no LoRA adapters: adapter "
+                    f"{plan.adapter.name!r} refused", reason=Reason.ADAPTER_UNSUPPORTED)
             self.engine.check_plan(plan)
             core = self._core
             with core.lock:

@@ -40,6 +40,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from refit_grpc.collective import Group
+from refit_grpc.plan import Packing
+from refit_grpc.reasons import Reason
+from refit_grpc.vllm_plugin import adapters
+from refit_grpc.vllm_plugin.adapters import AdapterProblem
 from refit_grpc.vllm_plugin.layerwise import (  # noqa: F401  (TiedRoutes: re-exported)
     LayerwiseReceiver,
     TiedHead,
@@ -49,7 +53,7 @@ from refit_grpc.vllm_plugin.layerwise import (  # noqa: F401  (TiedRoutes: re-ex
 )
 from refit_grpc.wire import vllm as wire_vllm
 from refit_grpc.wire.vllm import GlooInitInfo, GlooUpdateInfo
-from refit_grpc.wire.worker import ServeInfo, StageStatus
+from refit_grpc.wire.worker import NO_QUANTIZATION, ServeInfo, StageStatus, WorkerInfo
 
 
 @dataclass(kw_only=True)
@@ -73,6 +77,8 @@ class RefitGlooWeightTransferEngine(
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.receiver = LayerwiseReceiver(model, self.model_config)
+        if getattr(vllm_config, "lora_config", None) is not None:
+            adapters.install_loader()  # adapter epochs: adapters built from memory
 
     @property
     def group(self) -> Group | None:
@@ -128,14 +134,16 @@ class RefitGlooWeightTransferEngine(
         Args:
             op: `stage` (payload: the update_info of the plan), `stage_status`,
                 `drop_staged`, `serve_copy` (payload: a `ServeInfo`; the engine's rank-0
-                worker serves a catch-up from its committed copy) or `cancel_serve`.
+                worker serves a catch-up from its committed copy), `cancel_serve`,
+                `restore_previous`, or `engine_info` (what the worker says of its engine).
             payload: JSON.
 
         Returns:
-            This worker's `refit_grpc.wire.vllm.StageStatus`, as a dict.
+            This worker's `refit_grpc.wire.worker.StageStatus`, as a dict (`engine_info`: its
+            `WorkerInfo`).
         """
         receiver, staged = self.receiver, self.receiver.staged
-        operations: dict[str, Callable[[], StageStatus]] = {
+        operations: dict[str, Callable[[], StageStatus | WorkerInfo | AdapterProblem]] = {
             wire_vllm.STAGE_OP_START: lambda: receiver.stage(
                 self.parse_update_info(json.loads(payload or "{}"))),
             wire_vllm.STAGE_OP_STATUS: staged.status,
@@ -144,11 +152,38 @@ class RefitGlooWeightTransferEngine(
                 ServeInfo(**json.loads(payload or "{}")), self.worker_rank(0)),
             wire_vllm.STAGE_OP_CANCEL_SERVE: staged.cancel_serve,
             wire_vllm.STAGE_OP_RESTORE: staged.restore_previous,
+            wire_vllm.STAGE_OP_INFO: lambda: WorkerInfo(
+                quantization=self.model_config.quantization or NO_QUANTIZATION),
+            wire_vllm.STAGE_OP_CHECK_ADAPTER: lambda: self._check_adapter(payload),
+            wire_vllm.STAGE_OP_COMMIT_ADAPTER: lambda: self._commit_adapter(payload),
         }
         operation = operations.get(op)
         if operation is None:
             raise ValueError(f"refit_grpc gloo: unknown operation {op!r}")
         return operation().to_wire()
+
+    def _check_adapter(self, payload: str) -> AdapterProblem:
+        """Prepare of an adapter plan: what vLLM would refuse when it builds the adapter
+        (`adapters.check`); an empty problem when it can serve it."""
+        plan = self.parse_update_info(json.loads(payload or "{}")).plan(Packing())
+        if plan.adapter is None:
+            return AdapterProblem("the plan names no adapter", Reason.INVALID_ADAPTER)
+        problem = adapters.check(self.vllm_config, self.model, plan.adapter,
+                                 [s.name for s in plan.tensors])
+        return problem or AdapterProblem("", "")
+
+    def _commit_adapter(self, payload: str) -> StageStatus:
+        """An adapter epoch's flip: the staged copy (exactly `staged_digest`) becomes the
+        adapter's pending version (`adapters.commit`); the copy is spent, not a committed
+        copy of the model."""
+        args = json.loads(payload or "{}")
+        staged = self.receiver.staged
+        plan = staged.take(str(args["staged_digest"]))
+        if plan.adapter is None:
+            raise RuntimeError("refit_grpc gloo: the staged plan names no adapter")
+        adapters.commit(plan, list(staged.copy.tensors()), int(args["version"]))
+        staged.committed(None)
+        return staged.status()
 
 
 __all__ = ["RefitGlooInitInfo", "RefitGlooUpdateInfo", "RefitGlooWeightTransferEngine",

@@ -23,6 +23,7 @@ from refit_grpc.common import GroupSpec
 from refit_grpc.plan import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_NUM_BUFFERS,
+    AdapterSpec,
     Packing,
     RefitPlan,
     TensorSpec,
@@ -48,8 +49,36 @@ STAGE_OP_SERVE = "serve_copy"
 STAGE_OP_CANCEL_SERVE = "cancel_serve"
 # A rollback: the previous copy becomes the staged copy (a flip then loads it); the status.
 STAGE_OP_RESTORE = "restore_previous"
+# What the worker says of its engine (a `worker.WorkerInfo`, not a status): asked once.
+STAGE_OP_INFO = "engine_info"
+# Adapter epochs (docs/adapters.md). At Prepare, whether the worker can serve the plan's adapter
+# (payload: the plan's update_info; returns {"problem", "reason"}, both "" when it can). At the
+# flip, the staged copy becomes the adapter's pending version in the worker's memory (payload:
+# {"staged_digest", "version"}; returns the status), which POST /v1/load_lora_adapter then loads
+# from `adapter_path(name, version)`.
+STAGE_OP_CHECK_ADAPTER = "check_adapter"
+STAGE_OP_COMMIT_ADAPTER = "commit_adapter"
 STAGE_OPS = (STAGE_OP_START, STAGE_OP_STATUS, STAGE_OP_DROP, STAGE_OP_SERVE,
-             STAGE_OP_CANCEL_SERVE, STAGE_OP_RESTORE)
+             STAGE_OP_CANCEL_SERVE, STAGE_OP_RESTORE, STAGE_OP_INFO, STAGE_OP_CHECK_ADAPTER,
+             STAGE_OP_COMMIT_ADAPTER)
+# The `lora_path` of an adapter held in the workers' memory: no file is behind it; the project's
+# loader (`vllm_plugin.adapters`) builds the adapter from the held tensors of that version.
+ADAPTER_PATH_PREFIX = "refit-grpc-adapter://"
+
+
+def adapter_path(name: str, version: int) -> str:
+    """The path the API server is given for version `version` of adapter `name`."""
+    return f"{ADAPTER_PATH_PREFIX}{version}/{name}"
+
+
+def parse_adapter_path(path: str) -> tuple[str, int] | None:
+    """(name, version) of an `adapter_path`; None for any other path (a real file's)."""
+    if not path.startswith(ADAPTER_PATH_PREFIX):
+        return None
+    version, sep, name = path[len(ADAPTER_PATH_PREFIX):].partition("/")
+    if not sep or not name or not version.isdigit():
+        return None
+    return name, int(version)
 SOURCE_STAGED = "staged"
 
 
@@ -133,6 +162,9 @@ class GlooUpdateInfo:
     # A staged receive of a reversible epoch: the committed copy is kept as the previous copy
     # (a rollback's) and the receive lands beside it.
     reversible: bool | None = None
+    # An adapter epoch's plan: the adapter it carries (`AdapterSpec` as {"name", "peft_config"}),
+    # part of the plan digest; the worker builds the adapter from the staged copy at the commit.
+    adapter: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -155,7 +187,8 @@ class GlooUpdateInfo:
     def plan(self, packing: Packing) -> RefitPlan:
         specs = tuple(TensorSpec(name, tuple(int(d) for d in shape), dtype_from_name(dt))
                       for name, dt, shape in zip(self.names, self.dtype_names, self.shapes))
-        plan = RefitPlan(specs, packing)
+        adapter = AdapterSpec(**self.adapter) if self.adapter else None
+        plan = RefitPlan(specs, packing, adapter)
         plan.validate()
         if self.plan_digest and plan.digest != self.plan_digest:
             raise ValueError(f"plan digest {plan.digest[:16]} != the sender's "
@@ -216,7 +249,9 @@ def update_info_for(plan: RefitPlan, backend: str, timeout_s: float | None = Non
                           shapes=[list(s.shape) for s in plan.tensors])
     if backend == "gloo":
         info = dataclasses.replace(info, timeout_s=timeout_s, plan_digest=plan.digest,
-                                   abort_key=abort_key or None)
+                                   abort_key=abort_key or None,
+                                   adapter=dataclasses.asdict(plan.adapter)
+                                   if plan.adapter is not None else None)
     return info.to_wire()
 
 

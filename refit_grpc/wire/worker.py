@@ -97,6 +97,36 @@ class StageStatus:
         return status
 
 
+# What a worker reports for an engine that serves the weights as they are sent.
+NO_QUANTIZATION = "none"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """What a worker says of the engine it serves, fixed for the engine's life (vLLM:
+    `wire.vllm.STAGE_OP_INFO`).
+
+    Args:
+        quantization: the engine's quantization method as vLLM names it (its `--quantization`,
+            or the checkpoint's own method), `NO_QUANTIZATION` when it has none.
+    """
+
+    quantization: str = NO_QUANTIZATION
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, body: Any) -> WorkerInfo:
+        """Parse one worker's info (fields it does not know are ignored); raises ValueError on
+        anything else."""
+        if not isinstance(body, dict) or not isinstance(body.get("quantization"), str):
+            raise ValueError(f"a worker's info must be an object with a quantization, got "
+                             f"{body!r:.200}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in body.items() if k in names})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeInfo:
     """The payload of a serve request (vLLM: `wire.vllm.STAGE_OP_SERVE`; Dynamo:
@@ -133,4 +163,4 @@ class ServeInfo:
 
 __all__ = ["APPLIED_RE", "SERVE_DONE", "SERVE_FAILED", "SERVE_RUNNING", "SERVE_STATES",
            "STAGE_FAILED", "STAGE_IDLE", "STAGE_RECEIVING", "STAGE_STAGED", "STAGE_STATES",
-           "ServeInfo", "StageStatus", "applied_marker"]
+           "NO_QUANTIZATION", "ServeInfo", "StageStatus", "WorkerInfo", "applied_marker"]

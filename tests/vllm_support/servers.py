@@ -248,13 +248,15 @@ class Rig:
         assert self.server is not None
         return self.server.url
 
-    def refit(self, tensors: dict, version: int, canary=None, epoch=None):
-        """One `Fleet.refit` (`epoch`: in place with its Flush by default; the canary when
-        given); a new plan, or a failed epoch, forms a new group first."""
-        info = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    def refit(self, tensors: dict, version: int, canary=None, epoch=None, adapter=None):
+        """One `Fleet.refit` (`epoch`: in place with its Flush by default, staged for an
+        `adapter` plan; the canary when given); a new plan, or a failed epoch, forms a new
+        group first."""
+        info = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()] + [adapter]
         if self._link is None or info != self._link_info:
             self._close_link()
-            self.fleet.prepare({n: (shape, dtype) for n, shape, dtype in info})
+            self.fleet.prepare({n: (shape, dtype) for n, shape, dtype in info[:-1]},
+                               adapter=adapter)
             self._link, self._link_info = self.fleet.connect("127.0.0.1"), info
         try:
             return self.fleet.refit(self._link, tensors, version=version,

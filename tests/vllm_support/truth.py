@@ -113,12 +113,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
 
 
 def engine_logprobs(url: str, sequence: Sequence[int] = SEQUENCE,
-                    timeout_s: float = 60.0) -> torch.Tensor:
+                    timeout_s: float = 60.0, model: str = SERVED_MODEL) -> torch.Tensor:
     """The same numbers from vLLM: /v1/completions with `prompt_logprobs`. vLLM answers one entry
     per prompt position (None for the first), each a dict token id -> {"logprob", ...} of the
-    top-k tokens plus the prompt's own token, which is always included."""
+    top-k tokens plus the prompt's own token, which is always included. `model`: the base model
+    by default, or the name of a LoRA adapter the engine serves."""
     status, body = http_json("POST", url, "/v1/completions", {
-        "model": SERVED_MODEL, "prompt": list(sequence), "max_tokens": 1, "temperature": 0,
+        "model": model, "prompt": list(sequence), "max_tokens": 1, "temperature": 0,
         "prompt_logprobs": 1}, timeout_s)
     if status != 200:
         raise RuntimeError(f"/v1/completions on {url}: HTTP {status}: {body}")

@@ -63,6 +63,10 @@ class Capabilities:
         keep_cache: `pause(..., keep_cache=True)` keeps the KV cache of the requests it parks
             and the prefix cache, and the engine does not need `reset_cache` after a flip:
             a Flip with `keep_cache` (else KEEP_CACHE_UNSUPPORTED).
+        adapters: plans that carry a LoRA adapter (`RefitPlan.adapter`): `check_plan` checks
+            it against what the engine serves, `stage` receives it, and `flip` loads or
+            replaces the adapter while the engine serves, without a pause (else
+            ADAPTER_UNSUPPORTED at Prepare).
     """
 
     canary: bool = False
@@ -71,6 +75,7 @@ class Capabilities:
     serving_copy: bool = False
     rollback: bool = False
     keep_cache: bool = False
+    adapters: bool = False
 
 
 class Engine(ABC):
@@ -106,6 +111,19 @@ class Engine(ABC):
         Returns:
             The engine's status.
         """
+
+    @property
+    def quantization(self) -> str:
+        """How the engine quantizes the weights it is sent (Describe's `quantization`): the
+        method's name, "none" when it serves them as sent, "" when this adapter cannot tell
+        (the default)."""
+        return ""
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        """The adapters this engine serves through adapter epochs: name -> the version the last
+        one's flip committed (Describe's `adapters`); none by default."""
+        return {}
 
     @property
     def capabilities(self) -> Capabilities:

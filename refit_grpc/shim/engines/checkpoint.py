@@ -1,12 +1,23 @@
-"""The names and shapes vLLM loads, read from the checkpoint it serves (safetensors headers), so a
-plan naming a tensor the engine cannot load is refused at Prepare instead of failing mid-receive."""
+"""The names, shapes and dtypes vLLM loads, read from the checkpoint it serves (safetensors
+headers), so a plan naming a tensor the engine cannot load is refused at Prepare instead of failing
+mid-receive, or worse, loading into garbage.
+
+dtypes: vLLM's loaders cast what they receive to the parameter's dtype. Between floating dtypes
+that is what a trainer wants (fp32 masters into a bf16 engine, or into an engine that quantizes
+online: it re-derives its quantized weights from whatever floating values arrive). Anything else
+is not a conversion: int8 values cast into a bf16 parameter load as the numbers -128..127, not
+as quantized weights, and a pre-quantized checkpoint's int8 or fp8 weight, stored with its
+scales, is loaded as it is stored, so bf16 values cast into it lose their scale. Both are
+refused (TENSOR_MISMATCH) with what to send instead."""
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from refit_grpc.errors import InvalidPlanError
 from refit_grpc.integrations.hf import fused_expert_hint
@@ -17,6 +28,15 @@ from refit_grpc.reasons import Reason
 _MAX_HEADER_BYTES = 100 << 20
 # Unknown names quoted in a refusal: enough to see the pattern, bounded for the status message.
 _NAMES_SHOWN = 5
+# safetensors' dtype names (its header's "dtype") for the torch dtypes a plan can carry.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+# The stored dtypes of weights as trained (not pre-quantized): any floating tensor casts into them.
+_TRAINED = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 @dataclass(frozen=True)
@@ -24,6 +44,7 @@ class CheckpointIndex:
     directory: str
     shapes: dict[str, tuple[int, ...]]
     tied_embeddings: bool  # config.json's tie_word_embeddings: lm_head is embed_tokens
+    dtypes: dict[str, str] = field(default_factory=dict)  # safetensors names ("BF16", "I8")
 
     @classmethod
     def read(cls, directory: str | Path) -> CheckpointIndex | None:
@@ -34,19 +55,25 @@ class CheckpointIndex:
         if not files:
             return None
         shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, str] = {}
         for f in files:
-            shapes.update(safetensors_shapes(f))
+            header = safetensors_header(f)
+            shapes.update(_shapes(header))
+            dtypes.update({name: str(meta.get("dtype", "")) for name, meta in header.items()
+                           if name != "__metadata__"})
         tied = False
         config = path / "config.json"
         if config.is_file():
             tied = bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
-        return cls(str(path), shapes, tied)
+        return cls(str(path), shapes, tied, dtypes)
 
-    def check_plan(self, plan: RefitPlan, engine: str = "vLLM") -> None:
-        """Every name of `plan` is one this checkpoint has, with its shape (dtypes may differ:
-        vLLM's loaders cast). Raises InvalidPlanError: UNKNOWN_TENSOR naming the unknown names
-        (and what to send instead when they are transformers' in-memory names of fused
-        experts), or TENSOR_MISMATCH naming the first tensor whose shape differs."""
+    def check_plan(self, plan: RefitPlan, engine: str = "vLLM", quantization: str = "") -> None:
+        """Every name of `plan` is one this checkpoint has, with its shape, and a dtype the
+        engine's loader can take (module docstring). Raises InvalidPlanError: UNKNOWN_TENSOR
+        naming the unknown names (and what to send instead when they are transformers'
+        in-memory names of fused experts), or TENSOR_MISMATCH naming the first tensor whose
+        shape or dtype cannot be loaded. `quantization` (Describe's) is named in a dtype
+        refusal."""
         unknown = []
         for s in plan.tensors:
             shape = self.shapes.get(s.name)
@@ -60,6 +87,8 @@ class CheckpointIndex:
                 raise InvalidPlanError(
                     f"tensor {s.name!r}: checkpoint has shape {shape}, plan says {s.shape}",
                     reason=Reason.TENSOR_MISMATCH)
+            else:
+                self._check_dtype(s.name, s.dtype, engine, quantization)
         if unknown:
             shown = ", ".join(repr(n) for n in unknown[:_NAMES_SHOWN])
             more = f" and {len(unknown) - _NAMES_SHOWN} more" if len(unknown) > _NAMES_SHOWN else ""
@@ -70,12 +99,40 @@ class CheckpointIndex:
                 reason=Reason.UNKNOWN_TENSOR)
 
 
-def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes from a safetensors header (8-byte little-endian length, then JSON)."""
+    def _check_dtype(self, name: str, dtype: torch.dtype, engine: str, quantization: str) -> None:
+        stored = self.dtypes.get(name, "")
+        if stored in _TRAINED:
+            if dtype.is_floating_point:
+                return  # cast by the loader (and re-quantized, where the engine quantizes)
+            online = f"; this engine quantizes online ({quantization}) from floating weights" \
+                if quantization not in ("", "none") else ""
+            raise InvalidPlanError(
+                f"tensor {name!r} is {dtype} and the checkpoint holds it as {stored}: {engine} "
+                f"casts what it receives to the parameter's dtype, so {dtype} values would load "
+                f"as numbers, not as quantized weights{online}: send the trainer's floating "
+                "weights (bf16, fp16 or fp32)", reason=Reason.TENSOR_MISMATCH)
+        wanted = SAFETENSORS_DTYPES.get(stored)
+        if wanted is not None and wanted != dtype:
+            raise InvalidPlanError(
+                f"tensor {name!r} is {dtype} and the checkpoint holds it pre-quantized as "
+                f"{stored} (with its scales): {engine} loads such a tensor as it is stored, so "
+                f"send it as {wanted}, quantized with its scales, or serve the model from "
+                "trained weights with online quantization", reason=Reason.TENSOR_MISMATCH)
+        # A stored dtype this project does not know (e.g. packed 4-bit): not judged here.
+
+
+def safetensors_header(path: Path) -> dict:
+    """A safetensors header (8-byte little-endian length, then JSON)."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > _MAX_HEADER_BYTES:
             raise ValueError(f"{path}: implausible header length {n}")
         header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is not a JSON object")
+    return header
+
+
+def _shapes(header: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(int(d) for d in meta["shape"])
             for name, meta in header.items() if name != "__metadata__"}

@@ -38,6 +38,7 @@ from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import Capabilities, Engine, EngineStatus
 from refit_grpc.shim.engines.options import EngineKind, EngineOptions
 from refit_grpc.staging import StagedDigest, StagingCopy
+from refit_grpc.wire.worker import NO_QUANTIZATION
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,10 @@ class ReferenceEngine(Engine):
     @property
     def partial_on_failure(self) -> bool:
         return False  # every applied bucket is reported, so no bucket means no change
+
+    @property
+    def quantization(self) -> str:
+        return NO_QUANTIZATION  # it holds exactly the bytes it is sent
 
     # --- state -----------------------------------------------------------------------------
 

@@ -70,11 +70,11 @@ from refit_grpc.errors import (
     InvalidPlanError,
     RefitError,
 )
-from refit_grpc.plan import Packing, RefitPlan
+from refit_grpc.plan import Packing, RefitPlan, dtype_name
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import Capabilities, EngineStatus
 from refit_grpc.shim.engines.checkpoint import CheckpointIndex
-from refit_grpc.shim.engines.http_client import CallKind
+from refit_grpc.shim.engines.http_client import CallKind, error_text
 from refit_grpc.shim.engines.http_engine import (
     HttpEngine,
     HttpEngineOptions,
@@ -84,18 +84,23 @@ from refit_grpc.shim.engines.http_engine import (
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire.vllm import (
     STAGE_OP_CANCEL_SERVE,
+    STAGE_OP_CHECK_ADAPTER,
+    STAGE_OP_COMMIT_ADAPTER,
     STAGE_OP_DROP,
+    STAGE_OP_INFO,
     STAGE_OP_RESTORE,
     STAGE_OP_SERVE,
     STAGE_OP_START,
     STAGE_OP_STATUS,
+    GlooUpdateInfo,
+    adapter_path,
     flip_info_for,
     init_info_for,
     nccl_misalignment,
     stage_rpc_body,
     update_info_for,
 )
-from refit_grpc.wire.worker import ServeInfo, StageStatus
+from refit_grpc.wire.worker import ServeInfo, StageStatus, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +128,11 @@ class VLLMEngine(HttpEngine):
         self.check_names = self.options.check_names
         self._world_size: int | None = None
         self._model_name: str | None = None  # /v1/models id, for the canary's request
+        # The workers' `WorkerInfo.quantization`, asked once (it is fixed for the engine's
+        # life); None until asked, "" when the workers cannot say (not the project's backend).
+        self._quantization: str | None = None
+        # Adapters committed through this shim (adapter epochs): name -> version.
+        self._adapters: dict[str, int] = {}
 
     # --- the engine interface --------------------------------------------------------------
 
@@ -136,7 +146,7 @@ class VLLMEngine(HttpEngine):
         with self._lock:
             gloo = self._backend == "gloo"
         return Capabilities(canary=True, staging=gloo, delta=gloo, serving_copy=gloo,
-                            rollback=gloo, keep_cache=True)
+                            rollback=gloo, keep_cache=True, adapters=gloo)
 
     @property
     def world_size(self) -> int:
@@ -156,6 +166,8 @@ class VLLMEngine(HttpEngine):
                     self._paused = bool(body["is_paused"])
                 if self._world_size is None:
                     self._refresh_world_size()
+                if self._quantization is None:
+                    self._refresh_quantization()
                 digest = self.weights_digest(Deadline(self.request_timeout_s)) \
                     if with_digest else ""
                 return EngineStatus(healthy=True, paused=self._paused, weights_digest=digest)
@@ -194,18 +206,22 @@ class VLLMEngine(HttpEngine):
     def check_plan(self, plan: RefitPlan) -> None:
         """vLLM loads checkpoint names (`model.layers.0.self_attn.q_proj.weight`), fusing them
         itself; where the engine's checkpoint is a local directory (GET /v1/models `root`, or
-        the `checkpoint_dir` option), every name and shape is checked against its safetensors
-        headers. dtypes may differ (vLLM's loaders cast)."""
+        the `checkpoint_dir` option), every name, shape and dtype is checked against its
+        safetensors headers (`CheckpointIndex.check_plan`: floating dtypes may differ, vLLM's
+        loaders cast them)."""
         for s in plan.tensors:
             if s.name != s.name.strip():
                 raise InvalidPlanError(f"tensor name {s.name!r} has surrounding whitespace",
                                        reason=Reason.UNKNOWN_TENSOR)
+        if plan.adapter is not None:
+            self._check_adapter(plan)
+            return
         if not self.check_names:
             return
         index = self._checkpoint_index()
         if index is None:
             return
-        index.check_plan(plan)
+        index.check_plan(plan, quantization=self.quantization)
 
     def _post_pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool) -> None:
         # Draining (wait) takes as long as the requests in flight: bounded by the deadline only.
@@ -284,6 +300,70 @@ class VLLMEngine(HttpEngine):
     def _post_teardown(self, deadline: Deadline, *, before_join: bool = False) -> None:
         self._shutdown_transfer(deadline, end_stale_update=before_join)
 
+    # --- adapter epochs (docs/adapters.md) ---------------------------------------------------
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._adapters)
+
+    def _check_adapter(self, plan: RefitPlan) -> None:
+        """Prepare of an adapter plan: every worker says whether vLLM can build the adapter
+        (LoRA enabled, its rank and config, the modules it targets); the first problem is the
+        refusal. Nothing is loaded."""
+        assert plan.adapter is not None
+        info = GlooUpdateInfo(names=[s.name for s in plan.tensors],
+                              dtype_names=[dtype_name(s.dtype) for s in plan.tensors],
+                              shapes=[list(s.shape) for s in plan.tensors],
+                              adapter=dataclasses.asdict(plan.adapter))
+        deadline = Deadline(self.request_timeout_s)
+        for answer in self._worker_rpc(STAGE_OP_CHECK_ADAPTER, deadline, info.to_wire()):
+            problem = answer.get("problem") if isinstance(answer, dict) else None
+            if problem:
+                reason = Reason(answer.get("reason") or Reason.INVALID_ADAPTER)
+                cls = FailedPreconditionError if reason is Reason.ADAPTER_UNSUPPORTED \
+                    else InvalidPlanError
+                raise cls(str(problem), reason=reason)
+
+    def _flip_adapter(self, plan: RefitPlan, digest: str, version: int,
+                      deadline: Deadline) -> str:
+        """An adapter epoch's flip, while the engine serves: every worker makes its staged copy
+        the adapter's pending version in memory (POST /collective_rpc "commit_adapter"), then
+        vLLM's API server loads it in place under the adapter's name (POST
+        /v1/load_lora_adapter, `load_inplace`, from `adapter_path(name, version)`, which the
+        workers' loader resolves from memory). vLLM builds the new adapter before it drops the
+        old one, so a failure leaves the old one serving."""
+        assert plan.adapter is not None
+        name = plan.adapter.name
+        self._stage_rpc(STAGE_OP_COMMIT_ADAPTER, deadline,
+                        {"staged_digest": digest, "version": version})
+        what = f"load_lora_adapter({name!r}, version {version})"
+        reply = self._http.roundtrip(
+            "POST", "/v1/load_lora_adapter", None,
+            {"lora_name": name, "lora_path": adapter_path(name, version), "load_inplace": True},
+            min(deadline.check(what), self.request_timeout_s), what, at_deadline=False)
+        if reply.status == 404:
+            raise FailedPreconditionError(
+                f"{what}: vLLM at {self.url} has no runtime adapter route (start it with "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", reason=Reason.ADAPTER_UNSUPPORTED)
+        if not 200 <= reply.status < 300:
+            raise RefitError(f"{what}: vLLM answered HTTP {reply.status}: "
+                             f"{error_text(reply.body)}", reason=Reason.ENGINE_REJECTED)
+        with self._lock:
+            self._adapters[name] = version
+        return ""
+
+    def flip(self, version: int, deadline: Deadline) -> str:
+        """A model's flip is `HttpEngine.flip`'s; an adapter plan's is `_flip_adapter`."""
+        with self._lock:
+            staged = self._staged
+        if staged is None or staged[0].adapter is None:
+            return super().flip(version, deadline)
+        with self._lock:
+            self._staged = None
+            self._committed = self._committed_plan = None  # the copy is spent on the adapter
+        return self._flip_adapter(staged[0], staged[1], version, deadline)
+
     # --- staged epochs ---------------------------------------------------------------------
 
     def _start_stage(self, plan: RefitPlan, deadline: Deadline, timeout_s: float,
@@ -318,6 +398,17 @@ class VLLMEngine(HttpEngine):
                    update: dict[str, Any] | None = None) -> list[StageStatus]:
         """One staged-epoch operation on every worker (POST /collective_rpc); their statuses,
         in worker order. Each call is short (the workers answer at once) and bounded."""
+        results = self._worker_rpc(op, deadline, update)
+        try:
+            return [StageStatus.from_wire(r) for r in results]
+        except (TypeError, ValueError) as e:
+            raise RefitError(f"{op}: the workers' answer is unreadable ({e})",
+                             reason=Reason.ENGINE_ERROR) from e
+
+    def _worker_rpc(self, op: str, deadline: Deadline,
+                    update: dict[str, Any] | None = None) -> list[Any]:
+        """One operation of the project's backend on every worker (POST /collective_rpc);
+        their answers as sent, in worker order."""
         cap = min(self.request_timeout_s, max(deadline.remaining(), 0.001))
         try:
             body = self._http.call("POST", "/collective_rpc", deadline, what=f"{op}",
@@ -329,13 +420,10 @@ class VLLMEngine(HttpEngine):
                     reason=Reason.STAGING_UNSUPPORTED) from e
             raise
         results = body.get("results") if isinstance(body, dict) else None
-        try:
-            if not isinstance(results, list) or not results:
-                raise ValueError(f"no results: {body!r:.200}")
-            return [StageStatus.from_wire(r) for r in results]
-        except (TypeError, ValueError) as e:
-            raise RefitError(f"{op}: the workers' answer is unreadable ({e})",
-                             reason=Reason.ENGINE_ERROR) from e
+        if not isinstance(results, list) or not results:
+            raise RefitError(f"{op}: the workers' answer is unreadable (no results: "
+                             f"{body!r:.200})", reason=Reason.ENGINE_ERROR)
+        return results
 
     # --- the canary ------------------------------------------------------------------------
 
@@ -415,6 +503,38 @@ class VLLMEngine(HttpEngine):
             self._http.call("POST", "/finish_weight_update", deadline, what="finish (stale session)")
             self._http.call("POST", "/shutdown_weight_transfer_engine", deadline,
                             what="shutdown_weight_transfer_engine")
+
+    @property
+    def quantization(self) -> str:
+        """vLLM's `--quantization` (the model config's, as the workers hold it): asked of the
+        workers through the project's gloo backend (POST /collective_rpc "engine_info") by the
+        first status() that finds the engine up; "" until then, and where the workers cannot
+        say (vLLM's own nccl backend)."""
+        return self._quantization or ""
+
+    def _refresh_quantization(self) -> None:
+        try:
+            body = self._http.call("POST", "/collective_rpc", None, what="engine_info",
+                                   body=stage_rpc_body(STAGE_OP_INFO,
+                                                       timeout_s=self.status_timeout_s),
+                                   cap_s=self.status_timeout_s)
+        except FailedPreconditionError:
+            self._quantization = ""  # not callable: another backend; asking again is no use
+            return
+        except RefitError:
+            return  # asked again by the next status()
+        results = body.get("results") if isinstance(body, dict) else None
+        try:
+            if not isinstance(results, list) or not results:
+                raise ValueError(f"no results: {body!r:.200}")
+            names = {WorkerInfo.from_wire(r).quantization for r in results}
+        except ValueError as e:
+            log.warning("engine_info: the workers' answer is unreadable (%s)", e)
+            self._quantization = ""
+            return
+        # Every worker of one engine loads one model config; disagreeing workers are not one
+        # engine, and Describe should not pick one of them.
+        self._quantization = names.pop() if len(names) == 1 else ""
 
     def _refresh_world_size(self) -> None:
         try:
