@@ -2,10 +2,11 @@
 
 The engine: vLLM 0.32 CPU serving the tiny Qwen2-MoE in bfloat16 with online int8
 (`--quantization int8_per_channel_weight_only`: the experts' weights int8 per row, and, in the CPU
-kernel, the activations int8 per token). It is the quantized path vLLM CPU serves: the fp8
-shorthands need an op vLLM's CPU build lacks, and int8 online quantizes the experts only, so a
-dense model is not quantized by it (docs/vllm.md). Every refit sends the trainer's bf16 weights;
-the engine must derive new int8 weights and new scales from them.
+kernel, the activations int8 per token). It is the quantized path vLLM CPU serves for experts:
+fp8's mixture-of-experts half refuses the CPU backends, and int8 online quantizes the experts
+only, so dense models are tests/test_vllm_quantized_dense.py's (fp8 per channel; docs/vllm.md).
+Every refit sends the trainer's bf16 weights; the engine must derive new int8 weights and new
+scales from them.
 
 The model's experts carry one large weight per row, which sets that row's int8 scale and grows
 with every version (`plant_outliers`). int8 then computes something far from bf16 (so a reference
@@ -16,11 +17,7 @@ ones fails).
     log-probabilities equal transformers' with the method emulated from its definition
     (`refit_grpc.integrations.quantization.emulate_quantization`) within QUANT_TOL, and are far
     from the unquantized model's; each refit carries the canary computed from the emulation,
-    and it passes. Two sequences: the shared one (its first 20 tokens follow the pattern the
-    trainer learns, so it shows training) and HELD_OUT, random tokens the trainer never sees.
-    As training sharpens the tiny model, the shared sequence's positions become near-certain and
-    int8 stops showing there (measured: its effect fell to 0.02-0.06 by v2); on HELD_OUT the
-    predictions stay spread, so the effect stays, and the canary is computed there.
+    and it passes (`vllm_support.quantized.refit_versions`, which says why two sequences).
 (b) A second engine started fresh from the trainer's last version (its checkpoint), with the same
     quantization, computes what the refit engine computes.
 (c) That second engine runs with a deliberate fault: each refit leaves its old int8 scales
@@ -30,10 +27,6 @@ ones fails).
 """
 
 from __future__ import annotations
-
-import copy
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -45,39 +38,26 @@ require_vllm()
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
-from refit_grpc import CanaryMismatchError, FleetError, InPlace, Staged  # noqa: E402
-from refit_grpc.integrations.hf import canary_from_model, checkpoint_state_dict  # noqa: E402
-from refit_grpc.integrations.quantization import INT8_MOE, emulate_quantization  # noqa: E402
+from refit_grpc import CanaryMismatchError, FleetError  # noqa: E402
+from refit_grpc.integrations.quantization import INT8_MOE  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
-from refit_grpc.testing.vllm import http_json  # noqa: E402
 from refit_grpc.vllm_plugin.moe import STALE_SCALES_ENV  # noqa: E402
 
-from vllm_support.truth import (  # noqa: E402
-    SEQUENCE,
-    TOKENIZER_FILES,
-    build_tiny,
-    engine_logprobs,
-    hf_logprobs,
-    load_model,
-    sgd_step,
+from vllm_support.quantized import (  # noqa: E402
+    EPOCHS,
+    HELD_OUT,
+    QUANT_TOL,
+    QuantizedTrainer,
+    fresh_engine_agrees,
+    refit_versions,
+    to_send,
 )
+from vllm_support.truth import build_tiny, engine_logprobs, load_model  # noqa: E402
 
 QUANT_ARGS = ("--quantization", INT8_MOE)
-# The engine against the emulation. Measured: at most 0.016 (the module's prints; docs/vllm.md),
-# while the emulation's own bf16 rounding (the same emulation computed in float32 instead) moves
-# it by up to 0.024: what is left is rounding in a different order, not arithmetic.
-QUANT_TOL = 2.5e-2
-# int8 against the unquantized bf16 model, at least: the quantization must matter, or a
-# reference that ignored it would pass (measured 0.09-0.14 at the first versions).
-MIN_INT8_EFFECT = 3 * QUANT_TOL
-MIN_MOVE = 0.05
-LR = 0.1  # gentle: at 0.5 the toy pattern is learned by v2 and every position is near-certain
-EPOCHS = (("in place", InPlace()), ("staged", Staged()), ("staged", Staged()))
 EXPERTS_GAIN = 8.0
 INT8, STALE = "int8-0", "int8-stale-scales"
-# 26 random tokens the trainer's pattern does not predict (seeded: the same every run).
-HELD_OUT = torch.randint(0, 512, (26,), generator=torch.Generator().manual_seed(24)).tolist()
 
 
 def plant_outliers(model, version: int) -> None:
@@ -119,30 +99,6 @@ def amplify_experts(model, factor: float = EXPERTS_GAIN) -> None:
                 down.mul_(factor)
 
 
-def bf16(model):
-    return copy.deepcopy(model).to(torch.bfloat16)
-
-
-def reference(model):
-    """What the int8 engine must compute: the bf16 weights, quantized as the method defines."""
-    return emulate_quantization(bf16(model), INT8_MOE)
-
-
-def to_send(model) -> dict[str, torch.Tensor]:
-    """The bf16 trainer's tensors, under the checkpoint's names."""
-    return {n: t.to(torch.bfloat16).contiguous().clone()
-            for n, t in checkpoint_state_dict(model).items()}
-
-
-def save_checkpoint(model, out: Path) -> Path:
-    model.save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        src = tiny_model_dir() / name
-        if src.is_file():
-            shutil.copy(src, out / name)
-    return out
-
-
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     with module_pool(tmp_path_factory, "vllm-quantized-logs") as pool:
@@ -150,92 +106,34 @@ def pool(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory) -> dict:
-    """The trainer's Qwen2-MoE (float32 master weights, sent as bf16) at version 0, and its
-    checkpoint."""
+def trainer(tmp_path_factory) -> QuantizedTrainer:
+    """The trainer's Qwen2-MoE (float32 master weights, sent as bf16) at version 0, its experts
+    amplified, and its checkpoint."""
     root = tmp_path_factory.mktemp("quantized")
     model = load_model(build_tiny("qwen2_moe", root / "base", tiny_model_dir(), seed=7))
     amplify_experts(model)
-    plant_outliers(model, 0)
-    return {"model": model, "version": 0, "gen": torch.Generator().manual_seed(11),
-            "checkpoint": save_checkpoint(model, root / "v0"), "root": root}
+    return QuantizedTrainer(model, INT8_MOE, plant_outliers, root)
 
 
 @pytest.fixture(scope="module")
 def rig(pool, trainer):
-    return pool.rig(INT8, trainer["checkpoint"], dtype="bfloat16", extra_args=QUANT_ARGS,
+    return pool.rig(INT8, trainer.checkpoint, dtype="bfloat16", extra_args=QUANT_ARGS,
                     epoch_timeout_s=120).ready()
-
-
-def next_version(trainer: dict) -> tuple[int, dict[str, torch.Tensor]]:
-    model = trainer["model"]
-    sgd_step(model, LR, trainer["gen"])
-    trainer["version"] += 1
-    plant_outliers(model, trainer["version"])
-    return trainer["version"], to_send(model)
-
-
-def gaps(url: str, model, sequence=HELD_OUT) -> tuple[torch.Tensor, float, float]:
-    """The engine's log-probabilities on `sequence`, its gap to the int8 reference and to plain
-    bf16 there."""
-    got = engine_logprobs(url, sequence)
-    return (got, (got - hf_logprobs(reference(model), sequence)).abs().max().item(),
-            (got - hf_logprobs(bf16(model), sequence)).abs().max().item())
-
-
-def canary(model):
-    """The canary a trainer of an int8 engine sends: the emulation's log-probabilities."""
-    return canary_from_model(reference(model), HELD_OUT, QUANT_TOL)
 
 
 def test_refits_of_a_bf16_trainer_follow_the_int8_reference_in_place_and_staged(rig, trainer):
     """(a) Module docstring."""
-    model = trainer["model"]
-    before, gap, unquantized = gaps(rig.url, model, SEQUENCE)
-    _, held_gap, held_unquantized = gaps(rig.url, model)
-    print(f"\n{INT8} v0 (started from it): |vLLM - int8 reference| {gap:.2e} "
-          f"(held out {held_gap:.2e}), |vLLM - bf16| {unquantized:.3f} "
-          f"(held out {held_unquantized:.3f})")
-    assert max(gap, held_gap) <= QUANT_TOL, (gap, held_gap)
-    assert held_unquantized >= MIN_INT8_EFFECT, held_unquantized
-    for label, epoch in EPOCHS:
-        version, tensors = next_version(trainer)
-        report = rig.refit(tensors, version, canary=canary(model), epoch=epoch)
-        (worker,) = report.workers
-        got, gap, unquantized = gaps(rig.url, model, SEQUENCE)
-        _, held_gap, held_unquantized = gaps(rig.url, model)
-        moved = (got - before).abs().max().item()
-        before = got
-        print(f"{INT8} v{version} {label}: |vLLM - int8 reference| {gap:.2e} (held out "
-              f"{held_gap:.2e}, canary gap {worker.canary_gap:.2e}), |vLLM - bf16| "
-              f"{unquantized:.3f} (held out {held_unquantized:.3f}), moved {moved:.3f}, "
-              f"epoch {report.seconds * 1e3:.0f} ms")
-        assert worker.canary_gap is not None and worker.canary_gap <= QUANT_TOL, worker
-        assert max(gap, held_gap) <= QUANT_TOL, \
-            f"v{version} {label}: {gap:.4f} / {held_gap:.4f} from the int8 reference"
-        assert held_unquantized >= MIN_INT8_EFFECT, \
-            f"v{version}: int8 changed little ({held_unquantized})"
-        assert moved >= MIN_MOVE, f"v{version}: moved {moved:.4f} only"
-        (d,) = rig.fleet.describe(weights_digest=False)
-        assert (d.state, d.weight_version, d.paused) == (pb.SHIM_STATE_READY, version, False), d
-        assert http_json("GET", rig.url, "/weight_info")[1] == {"weight_version": str(version)}
-    trainer["checkpoint"] = save_checkpoint(model, trainer["root"] / f"v{trainer['version']}")
+    refit_versions(rig, trainer, INT8)
 
 
 def test_an_engine_started_from_the_checkpoint_computes_what_the_refit_engine_computes(
         pool, rig, trainer):
     """(b) Module docstring. The second engine is the stale-scale one of (c): its fault acts on
     refits only, its first load quantizes as any engine's."""
-    assert trainer["version"] == len(EPOCHS), "runs after (a)"
-    stale = pool.rig(STALE, trainer["checkpoint"], dtype="bfloat16", extra_args=QUANT_ARGS,
+    assert trainer.version == len(EPOCHS), "runs after (a)"
+    stale = pool.rig(STALE, trainer.checkpoint, dtype="bfloat16", extra_args=QUANT_ARGS,
                      env={STALE_SCALES_ENV: "1"}, epoch_timeout_s=120).ready()
-    fresh, gap, _ = gaps(stale.url, trainer["model"])
-    refit = engine_logprobs(rig.url, HELD_OUT)
-    between = (fresh - refit).abs().max().item()
-    print(f"\nv{trainer['version']}: |fresh engine - refit engine| {between:.2e}, "
-          f"|fresh engine - int8 reference| {gap:.2e}")
-    assert between <= QUANT_TOL, between
-    assert gap <= QUANT_TOL, gap
+    fresh_engine_agrees(stale, rig, trainer)
 
 
 def test_the_canary_fails_an_engine_that_kept_its_old_scales_and_passes_the_good_one(
@@ -243,17 +141,16 @@ def test_the_canary_fails_an_engine_that_kept_its_old_scales_and_passes_the_good
     """(c) Module docstring."""
     (stale,) = [r for r in pool.rigs if r.name == STALE]
     assert stale.fleet is not None, "runs after (b)"
-    model = trainer["model"]
-    version, tensors = next_version(trainer)
+    version, tensors = trainer.next_version()
     with pytest.raises(CanaryMismatchError) as caught:
-        stale.refit(tensors, version, canary=canary(model))
+        stale.refit(tensors, version, canary=trainer.canary())
     (failure,) = caught.value.failures
     gap = caught.value.gaps[STALE]
     assert failure.instance_id == STALE and failure.reason == Reason.CANARY_MISMATCH, failure
     (d,) = stale.fleet.describe(weights_digest=False)
     assert (d.state, d.weight_version) == (pb.SHIM_STATE_READY, version), d  # every byte arrived
     assert d.paused and d.last_canary_gap > QUANT_TOL, d  # not flushed: serves nothing
-    report = rig.refit(tensors, version, canary=canary(model))
+    report = rig.refit(tensors, version, canary=trainer.canary())
     (worker,) = report.workers
     print(f"\nv{version}: canary gap {gap:.3f} on the engine that kept its old scales, "
           f"{worker.canary_gap:.2e} on the good one (tolerance {QUANT_TOL})")
@@ -269,7 +166,7 @@ def test_describe_says_int8_and_prepare_refuses_a_dtype_the_engine_cannot_quanti
     (d,) = rig.fleet.describe(weights_digest=False)
     assert d.quantization == INT8_MOE, d.quantization
     before = engine_logprobs(rig.url, HELD_OUT)
-    tensors = to_send(trainer["model"])
+    tensors = to_send(trainer.model)
     experts = next(n for n in tensors if n.endswith("mlp.experts.0.down_proj.weight"))
     info = {n: (tuple(t.shape), torch.int8 if n == experts else t.dtype)
             for n, t in tensors.items()}

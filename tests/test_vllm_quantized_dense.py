@@ -1,0 +1,121 @@
+"""A bf16 trainer refits a dense vLLM engine that quantizes its linear layers to fp8 (issue 24;
+docs/vllm.md, Quantized engines).
+
+The engine: vLLM 0.32 CPU serving the tiny Llama in bfloat16 with `--quantization
+fp8_per_channel`: every linear layer (q/k/v fused, o, gate/up fused, down) holds float8_e4m3fn
+weights with one scale per output row, and quantizes each token's input to fp8 at run time; the
+LM head and the embeddings stay bf16. Every refit sends the trainer's bf16 weights; the engine
+must derive new fp8 weights and new scales from them. (fp8_per_block serves too; fp8_per_tensor,
+mxfp8 and mxfp4 do not start on vLLM CPU: docs/vllm.md.)
+
+fp8 is a floating-point format, so a large row scale costs the rest of the row precision only
+once its weights fall into fp8's subnormal range; on the tiny Llama as built fp8 moves a
+log-probability by 0.025-0.045 only (measured). The model is planted so that it matters
+(`plant_fp8`): in each row one weight 200,000 or 300,000 times the row's RMS (alternating, so
+every scale moves at every version), on an input channel that is always zero, and one huge
+activation channel (gain 100,000) that sets every token's scale and that no output reads. fp8
+then moves log-probabilities by 0.27-0.42 (measured offline), the emulation follows the engine
+within 0.001-0.019.
+
+(a) Three trained versions, in place, staged, staged, against the emulation
+    (`vllm_support.quantized.refit_versions`), Describe saying fp8_per_channel.
+(b) An engine started fresh from the trainer's last version (its checkpoint), with the same
+    quantization, computes what the refit engine computes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_support import require_vllm, tiny_model_dir
+from vllm_support.servers import module_pool
+
+require_vllm()
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
+
+from refit_grpc.integrations.quantization import FP8_DENSE  # noqa: E402
+
+from vllm_support.quantized import (  # noqa: E402
+    EPOCHS,
+    QuantizedTrainer,
+    fresh_engine_agrees,
+    refit_versions,
+)
+from vllm_support.truth import load_model  # noqa: E402
+
+QUANT_ARGS = ("--quantization", FP8_DENSE)
+FP8, FRESH = "fp8-0", "fp8-fresh"
+ACTIVATION_GAIN = 1e5
+
+
+def plant_fp8(model, version: int) -> None:
+    """Make fp8 matter, and its scales move at every version (module docstring).
+
+    Weights: channel 0 of both norms' outputs is zero, so q/k/v and gate/up see zeros there; so
+    do o_proj (v's row 0 is zero but for its outlier, so attention's output channel 0 is zero)
+    and down_proj (gate's row 0 is zero: silu(0) * up = 0). Column 0 of every row of the seven
+    projections then holds +-k times the rest of the row's RMS: it alone sets the row's scale.
+
+    Activations: channel 1 of both norms' outputs is multiplied by ACTIVATION_GAIN. q/k/v and
+    gate/up read it only through v's row 1 and gate's and up's row 1, which carry it on (into
+    attention's output channel 1 and the intermediate channel 1, both huge), and o_proj's and
+    down_proj's column 1 are zero: it sets every token's fp8 scale at every linear input and
+    decides no output."""
+    k = 2e5 if version % 2 == 0 else 3e5
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[0], norm.weight[1] = 0.0, ACTIVATION_GAIN
+            attn.v_proj.weight[0, :] = 0.0
+            mlp.gate_proj.weight[0, :] = 0.0
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                lin.weight[:, 1] = 0.0
+            attn.v_proj.weight[1, :] = 0.0
+            attn.v_proj.weight[1, 1] = 1.0
+            for lin in (mlp.gate_proj, mlp.up_proj):
+                lin.weight[1, :] = 0.0
+                lin.weight[1, 1] = 1e-3
+            attn.o_proj.weight[:, 1] = 0.0
+            mlp.down_proj.weight[:, 1] = 0.0
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                        mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                w = lin.weight
+                rms = w[:, 2:].pow(2).mean(dim=-1).sqrt()
+                w[:, 0] = k * rms * torch.where(w[:, 0] >= 0, 1.0, -1.0)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    with module_pool(tmp_path_factory, "vllm-quantized-dense-logs") as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory) -> QuantizedTrainer:
+    """The trainer's tiny Llama (float32 master weights, sent as bf16) at version 0, planted,
+    and its checkpoint."""
+    return QuantizedTrainer(load_model(tiny_model_dir()), FP8_DENSE, plant_fp8,
+                            tmp_path_factory.mktemp("quantized-dense"))
+
+
+@pytest.fixture(scope="module")
+def rig(pool, trainer):
+    return pool.rig(FP8, trainer.checkpoint, dtype="bfloat16", extra_args=QUANT_ARGS,
+                    epoch_timeout_s=120).ready()
+
+
+def test_refits_of_a_bf16_trainer_follow_the_fp8_reference_in_place_and_staged(rig, trainer):
+    """(a) Module docstring."""
+    refit_versions(rig, trainer, FP8)
+
+
+def test_an_engine_started_from_the_checkpoint_computes_what_the_refit_engine_computes(
+        pool, rig, trainer):
+    """(b) Module docstring."""
+    assert trainer.version == len(EPOCHS), "runs after (a)"
+    fresh = pool.rig(FRESH, trainer.checkpoint, dtype="bfloat16", extra_args=QUANT_ARGS,
+                     epoch_timeout_s=120).ready()
+    fresh_engine_agrees(fresh, rig, trainer)
