@@ -1,14 +1,21 @@
 """`refit_grpc.integrations.quantization`, the trainer's emulation of a quantized engine: pure
-arithmetic, checked here on transformers-shaped fused experts built in the test (no transformers
-needed). Checked against a real int8 vLLM engine by hand so far (docs/vllm.md, Quantized
-engines); the engine test is the next step of issue 24."""
+arithmetic, checked here on transformers-shaped modules built in the test (no transformers
+needed). Against real vLLM engines: tests/test_vllm_quantized.py (int8 experts) and
+tests/test_vllm_quantized_dense.py (fp8 linear layers)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from refit_grpc.integrations.quantization import INT8_MOE, emulate_quantization, int8_rows
+from refit_grpc.integrations.quantization import (
+    FP8_DENSE,
+    INT8_MOE,
+    emulate_quantization,
+    fp8_rows,
+    fp8_tokens,
+    int8_rows,
+)
 
 
 class Experts(torch.nn.Module):
@@ -90,3 +97,54 @@ def test_a_model_without_fused_experts_or_an_unknown_method_is_refused():
         emulate_quantization(torch.nn.Sequential(torch.nn.Linear(4, 4)), INT8_MOE)
     with pytest.raises(ValueError, match="no emulation of quantization 'fp8'"):
         emulate_quantization(Model(), "fp8")
+
+
+class Dense(torch.nn.Module):
+    """A dense block and an output head, as a causal LM holds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, bias=True)
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.proj(x))
+
+
+def test_fp8_rows_and_tokens_put_each_rows_max_at_448():
+    w = torch.randn(6, 10) * torch.arange(1, 7)[:, None]
+    q, scales = fp8_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (6,)
+    assert (q.float().abs().amax(dim=1) == 448).all()
+    x = torch.randn(3, 10)
+    qx, sx = fp8_tokens(x)
+    assert (qx.float().abs().amax(dim=1) == 448).all() and sx.shape == (3, 1)
+    zero, zero_scale = fp8_rows(torch.zeros(2, 4))  # no division by zero: the smallest scale
+    assert (zero.float() == 0).all() and (zero_scale > 0).all()
+
+
+def test_fp8_changes_the_linear_layers_but_not_the_head_nor_the_trainers_model():
+    torch.manual_seed(2)
+    model = Dense()
+    original = {n: t.clone() for n, t in model.state_dict().items()}
+    emulated = emulate_quantization(model, FP8_DENSE)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, original[name]), f"{name} changed in the trainer's model"
+    assert "forward" in vars(emulated.proj) and "forward" not in vars(emulated.lm_head)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        exact, got = model(x), emulated(x)
+    assert not torch.equal(got, exact), "nothing was quantized"
+    assert torch.allclose(got, exact, rtol=0.1, atol=0.1 * exact.abs().max().item())
+
+
+def test_fp8_refuses_fused_experts_and_a_model_with_only_a_head():
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        emulate_quantization(Model(), FP8_DENSE)
+    head_only = Dense()
+    head_only.proj = torch.nn.Identity()
+    with pytest.raises(ValueError, match="no linear layer but its LM head"):
+        emulate_quantization(head_only, FP8_DENSE)
