@@ -12,8 +12,9 @@ the engine serves, then loaded or replaced in place under the adapter's name, fr
     stream through every adapter epoch: each one is printed with its longest token gap next to
     the steady gap, and the flip reports no stall.
 (b) Bad adapters are refused at Prepare, typed and named, and nothing changes: a rank over the
-    engine's maximum, a module the model cannot adapt; and an engine started without LoRA
-    refuses any adapter (ADAPTER_UNSUPPORTED).
+    engine's maximum, a module the model cannot adapt, a name that is the base model's or that
+    of an adapter the operator loaded from a file; and an engine started without LoRA refuses
+    any adapter (ADAPTER_UNSUPPORTED).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 from refit_grpc import AdapterSpec, FleetError  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
+from refit_grpc.testing.vllm import SERVED_MODEL, http_json  # noqa: E402
 from refit_grpc.tools.bench_stall import Load, gaps, longest_gap  # noqa: E402
 
 from vllm_support.truth import (  # noqa: E402
@@ -168,10 +170,15 @@ def test_three_adapter_versions_follow_peft_and_the_base_model_never_changes(rig
         "no base-model token arrived during any adapter epoch"
 
 
-def test_bad_adapters_are_refused_at_prepare_and_change_nothing(pool, rig, trainer):
-    """(b) Module docstring."""
+def test_bad_adapters_are_refused_at_prepare_and_change_nothing(pool, rig, trainer, tmp_path):
+    """(b) Module docstring. An adapter the operator loaded from a file keeps its name: an
+    adapter epoch under that name is refused, as it would replace it."""
     assert trainer["version"] == VERSIONS + 2, "runs after (a)"
     model = trainer["model"]
+    model.save_pretrained(tmp_path / "from-disk")
+    status, body = http_json("POST", rig.url, "/v1/load_lora_adapter", {
+        "lora_name": "from-disk", "lora_path": str(tmp_path / "from-disk")})
+    assert status == 200, body
     (before,) = rig.fleet.describe(weights_digest=False)
     adapter_before = engine_logprobs(rig.url, model=NAME)
     tensors = adapter_tensors(model)
@@ -180,8 +187,11 @@ def test_bad_adapters_are_refused_at_prepare_and_change_nothing(pool, rig, train
     too_wide = AdapterSpec.of(NAME, {**config, "r": 2 * MAX_RANK})
     norm = {"base_model.model.model.norm.lora_A.weight": ((RANK, 128), torch.float32),
             "base_model.model.model.norm.lora_B.weight": ((128, RANK), torch.float32)}
+    base_name = AdapterSpec.of(SERVED_MODEL, config)
     cases = [(info, too_wide, "max_lora_rank"),
-             ({**info, **norm}, trainer["spec"], "do not have")]
+             ({**info, **norm}, trainer["spec"], "do not have"),
+             (info, base_name, "the name vLLM serves the base model under"),
+             (info, AdapterSpec.of("from-disk", config), "is taken")]
     for plan_info, spec, needle in cases:
         with pytest.raises(FleetError) as caught:
             rig.fleet.prepare(plan_info, adapter=spec)

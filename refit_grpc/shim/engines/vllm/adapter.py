@@ -97,6 +97,7 @@ from refit_grpc.wire.vllm import (
     flip_info_for,
     init_info_for,
     nccl_misalignment,
+    parse_adapter_path,
     stage_rpc_body,
     update_info_for,
 )
@@ -312,6 +313,7 @@ class VLLMEngine(HttpEngine):
         (LoRA enabled, its rank and config, the modules it targets); the first problem is the
         refusal. Nothing is loaded."""
         assert plan.adapter is not None
+        self._check_adapter_name(plan.adapter.name)
         info = GlooUpdateInfo(names=[s.name for s in plan.tensors],
                               dtype_names=[dtype_name(s.dtype) for s in plan.tensors],
                               shapes=[list(s.shape) for s in plan.tensors],
@@ -324,6 +326,28 @@ class VLLMEngine(HttpEngine):
                 cls = FailedPreconditionError if reason is Reason.ADAPTER_UNSUPPORTED \
                     else InvalidPlanError
                 raise cls(str(problem), reason=reason)
+
+    def _check_adapter_name(self, name: str) -> None:
+        """The name must be free for this project's adapter: not the base model's (vLLM routes
+        that name to the base model), and not an adapter vLLM serves from a file (an in-place
+        load would replace the operator's adapter). vLLM lists both in GET /v1/models; an
+        adapter this project loaded has a path of ours there."""
+        body = self._http.call("GET", "/v1/models", Deadline(self.request_timeout_s),
+                               what="models", cap_s=self.status_timeout_s)
+        models = body.get("data") if isinstance(body, dict) else None
+        for model in models if isinstance(models, list) else []:
+            if not isinstance(model, dict) or model.get("id") != name:
+                continue
+            root = str(model.get("root") or "")
+            if model.get("parent") is None:
+                raise InvalidPlanError(f"adapter name {name!r} is the name vLLM serves the base "
+                                       "model under; requests for it would never reach the "
+                                       "adapter", reason=Reason.INVALID_ADAPTER)
+            if parse_adapter_path(root) is None:
+                raise InvalidPlanError(
+                    f"adapter name {name!r} is taken: vLLM serves an adapter of that name from "
+                    f"{root!r}, which an adapter epoch would replace; choose another name",
+                    reason=Reason.INVALID_ADAPTER)
 
     def _flip_adapter(self, plan: RefitPlan, digest: str, version: int,
                       deadline: Deadline) -> str:
