@@ -18,10 +18,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "refit_grpc"
 # public setter), vLLM's backend registry (no public re-registration), nn.Module's parameter
 # dict (read without the __getattr__ that would resolve a tied head to the embedding's module),
 # vLLM's LoRA loader and the adapter manager it loads into (the one place an adapter can come
-# from memory instead of a path; vllm_plugin/adapters.py), and vLLM's int8 experts' quantize
-# step (the stale-scale fault the canary test needs; vllm_plugin/moe.py).
+# from memory instead of a path; vllm_plugin/adapters.py).
 THIRD_PARTY = {"_Options", "_timeout", "_devices", "_registry", "_parameters", "_load_adapter",
-               "_adapter_manager", "_quantize_weights"}
+               "_adapter_manager"}
 
 
 def _sources() -> list[Path]:

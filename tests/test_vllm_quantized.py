@@ -38,17 +38,16 @@ require_vllm()
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
-from refit_grpc import CanaryMismatchError, FleetError  # noqa: E402
+from refit_grpc import FleetError  # noqa: E402
 from refit_grpc.integrations.quantization import INT8_MOE  # noqa: E402
-from refit_grpc.proto import pb  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
-from refit_grpc.vllm_plugin.moe import STALE_SCALES_ENV  # noqa: E402
+from refit_grpc.vllm_plugin.faults import STALE_SCALES_ENV  # noqa: E402
 
 from vllm_support.quantized import (  # noqa: E402
     EPOCHS,
     HELD_OUT,
-    QUANT_TOL,
     QuantizedTrainer,
+    canary_fails_stale_scales,
     fresh_engine_agrees,
     refit_versions,
     to_send,
@@ -141,21 +140,7 @@ def test_the_canary_fails_an_engine_that_kept_its_old_scales_and_passes_the_good
     """(c) Module docstring."""
     (stale,) = [r for r in pool.rigs if r.name == STALE]
     assert stale.fleet is not None, "runs after (b)"
-    version, tensors = trainer.next_version()
-    with pytest.raises(CanaryMismatchError) as caught:
-        stale.refit(tensors, version, canary=trainer.canary())
-    (failure,) = caught.value.failures
-    gap = caught.value.gaps[STALE]
-    assert failure.instance_id == STALE and failure.reason == Reason.CANARY_MISMATCH, failure
-    (d,) = stale.fleet.describe(weights_digest=False)
-    assert (d.state, d.weight_version) == (pb.SHIM_STATE_READY, version), d  # every byte arrived
-    assert d.paused and d.last_canary_gap > QUANT_TOL, d  # not flushed: serves nothing
-    report = rig.refit(tensors, version, canary=trainer.canary())
-    (worker,) = report.workers
-    print(f"\nv{version}: canary gap {gap:.3f} on the engine that kept its old scales, "
-          f"{worker.canary_gap:.2e} on the good one (tolerance {QUANT_TOL})")
-    assert gap > 3 * QUANT_TOL, gap
-    assert worker.canary_gap is not None and worker.canary_gap <= QUANT_TOL, worker
+    canary_fails_stale_scales(stale, rig, trainer)
 
 
 def test_describe_says_int8_and_prepare_refuses_a_dtype_the_engine_cannot_quantize(rig, trainer):

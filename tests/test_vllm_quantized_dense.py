@@ -21,6 +21,10 @@ within 0.001-0.019.
     (`vllm_support.quantized.refit_versions`), Describe saying fp8_per_channel.
 (b) An engine started fresh from the trainer's last version (its checkpoint), with the same
     quantization, computes what the refit engine computes.
+(c) That second engine runs with a deliberate fault: each refit leaves its old fp8 scales
+    (`REFIT_GRPC_TEST_STALE_SCALES=1`, the fp8 weights are new). Every byte arrives, and the
+    next version fails the canary: CanaryMismatchError naming that engine, left paused and not
+    flushed. The first engine takes the same version and passes.
 """
 
 from __future__ import annotations
@@ -36,17 +40,19 @@ require_vllm()
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 from refit_grpc.integrations.quantization import FP8_DENSE  # noqa: E402
+from refit_grpc.vllm_plugin.faults import STALE_SCALES_ENV  # noqa: E402
 
 from vllm_support.quantized import (  # noqa: E402
     EPOCHS,
     QuantizedTrainer,
+    canary_fails_stale_scales,
     fresh_engine_agrees,
     refit_versions,
 )
 from vllm_support.truth import load_model  # noqa: E402
 
 QUANT_ARGS = ("--quantization", FP8_DENSE)
-FP8, FRESH = "fp8-0", "fp8-fresh"
+FP8, STALE = "fp8-0", "fp8-stale-scales"
 ACTIVATION_GAIN = 1e5
 
 
@@ -114,8 +120,17 @@ def test_refits_of_a_bf16_trainer_follow_the_fp8_reference_in_place_and_staged(r
 
 def test_an_engine_started_from_the_checkpoint_computes_what_the_refit_engine_computes(
         pool, rig, trainer):
-    """(b) Module docstring."""
+    """(b) Module docstring. The second engine is the stale-scale one of (c): its fault acts on
+    refits only, its first load quantizes as any engine's."""
     assert trainer.version == len(EPOCHS), "runs after (a)"
-    fresh = pool.rig(FRESH, trainer.checkpoint, dtype="bfloat16", extra_args=QUANT_ARGS,
-                     epoch_timeout_s=120).ready()
-    fresh_engine_agrees(fresh, rig, trainer)
+    stale = pool.rig(STALE, trainer.checkpoint, dtype="bfloat16", extra_args=QUANT_ARGS,
+                     env={STALE_SCALES_ENV: "1"}, epoch_timeout_s=120).ready()
+    fresh_engine_agrees(stale, rig, trainer)
+
+
+def test_the_canary_fails_an_engine_that_kept_its_old_scales_and_passes_the_good_one(
+        pool, rig, trainer):
+    """(c) Module docstring."""
+    (stale,) = [r for r in pool.rigs if r.name == STALE]
+    assert stale.fleet is not None, "runs after (b)"
+    canary_fails_stale_scales(stale, rig, trainer)

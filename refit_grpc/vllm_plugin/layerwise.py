@@ -63,6 +63,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from refit_grpc.collective import Group, receive, unpack
 from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
+from refit_grpc.vllm_plugin.faults import StaleScales
 from refit_grpc.vllm_plugin.moe import ExpertsReprocessing
 from refit_grpc.vllm_plugin.staged import StagedReceive
 from refit_grpc.wire.vllm import SOURCE_STAGED, GlooInitInfo, GlooUpdateInfo
@@ -96,6 +97,7 @@ class LayerwiseReceiver:
         self._abort_store: dist.Store | None = None
         self._tied: list[TiedHead] = []
         self._experts: ExpertsReprocessing | None = None
+        self._faults: StaleScales | None = None
         self.staged = StagedReceive()  # a staged epoch's copy and its background receive
         # A flip's version once its load succeeded: the copy becomes the committed copy when
         # the session finishes (`finish`), not before (a failed finalize leaves none).
@@ -135,6 +137,7 @@ class LayerwiseReceiver:
         # Found now: inside the session every layer holds its own meta tensor, the tie is gone.
         self._tied = tied_heads(self.model)
         self._experts = ExpertsReprocessing(self.model)
+        self._faults = StaleScales(self.model)  # nothing unless a test's environment asks
         initialize_layerwise_reload(self.model)
 
     def update(self, update_info: GlooUpdateInfo) -> None:
@@ -313,6 +316,9 @@ class LayerwiseReceiver:
         experts, self._experts = self._experts, None
         if experts is not None:
             experts.restore()
+        faults, self._faults = self._faults, None
+        if faults is not None:
+            faults.restore()
 
     def rollback(self) -> int:
         """End the layerwise session after a failure; returns how many partly loaded layers got

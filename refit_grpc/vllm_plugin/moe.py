@@ -24,8 +24,8 @@ Quantized MoE methods run their own processing and are left alone: on a reload v
 from the new weights (`_layerwise_process` clears the "already processed" flag), which
 re-quantizes. vLLM 0.32's online int8 (`Int8OnlineMoEMethod`) is proven so by
 tests/test_vllm_quantized.py; any other is logged once per session as not verified by this
-project (docs/vllm.md, Quantized engines). `STALE_SCALES_ENV` is a deliberate fault for that test:
-the int8 experts get the new weights but keep the old scales, the bug a digest cannot see.
+project (docs/vllm.md, Quantized engines). The stale-scale fault those tests use is
+`faults.StaleScales`.
 """
 
 from __future__ import annotations
@@ -44,10 +44,6 @@ _UNQUANTIZED = "UnquantizedFusedMoEMethod"  # vLLM 0.31 and 0.32 name it the sam
 # after a refit. For diagnosis and for the test that proves the logprob canary catches it
 # (tests/test_vllm_families.py); never in production.
 DISABLE_ENV = "REFIT_GRPC_MOE_REPROCESS"
-# Set to 1 in an engine's environment to make each refit leave the int8 experts' scales as they
-# were (the new int8 weights under the old scales): the fault the logprob canary must catch
-# (tests/test_vllm_quantized.py); never in production.
-STALE_SCALES_ENV = "REFIT_GRPC_TEST_STALE_SCALES"
 # The quantized MoE methods whose reload this project's tests prove (vLLM 0.32's names).
 _VERIFIED_QUANTIZED = {"Int8OnlineMoEMethod"}
 
@@ -71,10 +67,6 @@ class ExpertsReprocessing:
             if type(method).__name__ != _UNQUANTIZED:
                 if type(method).__name__ not in _VERIFIED_QUANTIZED:
                     others.add(type(method).__name__)
-                elif os.environ.get(STALE_SCALES_ENV) == "1":
-                    method._quantize_weights = _keeping_scales(
-                        module, type(method)._quantize_weights.__get__(method))
-                    self._wrapped.append(method)
                 continue
             method.process_weights_after_loading = _with_experts_step(
                 method, type(method).process_weights_after_loading.__get__(method))
@@ -91,7 +83,6 @@ class ExpertsReprocessing:
         """Remove the wrappers: the class's own method is what the next first load sees."""
         for method in self._wrapped:
             method.__dict__.pop("process_weights_after_loading", None)
-            method.__dict__.pop("_quantize_weights", None)
         self._wrapped = []
 
 
@@ -105,19 +96,3 @@ def _with_experts_step(method: Any, original: Callable[[torch.nn.Module], None]
             experts.process_weights_after_loading(layer)
 
     return process_weights_after_loading
-
-
-def _keeping_scales(layer: torch.nn.Module, original: Callable[[torch.nn.Module], None]
-                    ) -> Callable[[torch.nn.Module], None]:
-    """`STALE_SCALES_ENV`'s fault: quantize the new weights, then put back the scales the layer
-    had when the session began (taken now, while its tensors are still real)."""
-    old = {name: getattr(layer, name).detach().clone() for name in ("w13_scale", "w2_scale")}
-    log.warning("refit_grpc gloo: %s=1: the int8 experts keep their old scales after a refit "
-                "(a deliberate fault, for tests)", STALE_SCALES_ENV)
-
-    def _quantize_weights(target: torch.nn.Module) -> None:
-        original(target)
-        for name, scales in old.items():
-            getattr(target, name).data.copy_(scales)
-
-    return _quantize_weights

@@ -157,3 +157,31 @@ def fresh_engine_agrees(fresh, rig, trainer: QuantizedTrainer) -> None:
           f"|fresh engine - reference| {gap:.2e}")
     assert between <= QUANT_TOL, between
     assert gap <= QUANT_TOL, gap
+
+
+def canary_fails_stale_scales(stale, rig, trainer: QuantizedTrainer) -> None:
+    """The next version into an engine whose refits keep their old scales
+    (`refit_grpc.vllm_plugin.faults.STALE_SCALES_ENV`): every byte arrives, the canary fails,
+    `CanaryMismatchError` names it, and it is left paused, not flushed; the good engine takes
+    the same version and passes."""
+    import pytest
+
+    from refit_grpc import CanaryMismatchError
+    from refit_grpc.reasons import Reason
+
+    version, tensors = trainer.next_version()
+    with pytest.raises(CanaryMismatchError) as caught:
+        stale.refit(tensors, version, canary=trainer.canary())
+    (failure,) = caught.value.failures
+    gap = caught.value.gaps[stale.name]
+    assert failure.instance_id == stale.name and failure.reason == Reason.CANARY_MISMATCH, \
+        failure
+    (d,) = stale.fleet.describe(weights_digest=False)
+    assert (d.state, d.weight_version) == (pb.SHIM_STATE_READY, version), d  # every byte arrived
+    assert d.paused and d.last_canary_gap > QUANT_TOL, d  # not flushed: serves nothing
+    report = rig.refit(tensors, version, canary=trainer.canary())
+    (worker,) = report.workers
+    print(f"\nv{version}: canary gap {gap:.3f} on the engine that kept its old scales, "
+          f"{worker.canary_gap:.2e} on the good one (tolerance {QUANT_TOL})")
+    assert gap > 3 * QUANT_TOL, gap
+    assert worker.canary_gap is not None and worker.canary_gap <= QUANT_TOL, worker
