@@ -151,8 +151,11 @@ def test_watch_follows_the_workers_file_and_shows_a_catch_up(shim_procs, tmp_pat
     table = render_status([
         StatusRow("x", "h:1", True, "CATCHING_UP", 0, catching_up_from="p0",
                   catch_up_fraction=0.5),
-        StatusRow("p0", "h:2", True, "READY", 7, serving_catch_up_to="x")])
+        StatusRow("p0", "h:2", True, "READY", 7, serving_catch_up_to="x"),
+        StatusRow("l0", "h:3", True, "READY", 5, quantization="none",
+                  adapters={"tenant-a": 5})])
     assert "0 (catching up 50% from p0)" in table and "7 (serving x)" in table, table
+    assert "5 (adapter tenant-a v5)" in table, table
 
 
 @pytest.mark.parametrize("args,needle", [

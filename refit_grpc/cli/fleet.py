@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from refit_grpc.cli.security import add_security_flags
@@ -126,6 +126,8 @@ class StatusRow:
     # How the engine quantizes what it is sent (Describe.quantization): "none", a method, or ""
     # when its shim cannot tell.
     quantization: str = ""
+    # The adapters the engine serves through adapter epochs: name -> version (Describe.adapters).
+    adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,7 +168,8 @@ def status_rows(fleet) -> list[StatusRow]:
             catching_up_from=d.catching_up_from,
             catch_up_fraction=_fraction(d.catch_up_bytes_received, fleet.plan)
             if d.catching_up_from else None,
-            serving_catch_up_to=d.serving_catch_up_to, quantization=d.quantization))
+            serving_catch_up_to=d.serving_catch_up_to, quantization=d.quantization,
+            adapters={a.name: a.version for a in d.adapters}))
     return rows
 
 
@@ -269,6 +272,7 @@ def render_status(rows: list[StatusRow]) -> str:
             notes.append(f"catching up{done} from {r.catching_up_from}")
         if r.serving_catch_up_to:
             notes.append(f"serving {r.serving_catch_up_to}")
+        notes += [f"adapter {name} v{v}" for name, v in sorted(r.adapters.items())]
         return str(r.version) + (f" ({', '.join(notes)})" if notes else "")
 
     table = format_table(
