@@ -415,3 +415,29 @@ def test_drop_staged_and_abort_never_block_and_end_the_poll(scripted):
     t.join(5)
     assert not t.is_alive() and isinstance(failed[0], EpochAbortedError), failed
     assert "/shutdown_weight_transfer_engine" in scripted.paths()
+
+
+def test_check_adapter_fits_each_lora_factor_to_its_base_weight(tmp_path):
+    """lora_A is [r, in] and lora_B [out, r] for the base weight [out, in]; other shapes are
+    refused at Prepare (INVALID_ADAPTER), before vLLM could drop the old adapter for it."""
+    from refit_grpc.plan import AdapterSpec
+    from refit_grpc.shim.engines.checkpoint import CheckpointIndex
+
+    _checkpoint(tmp_path, {"model.layers.0.q_proj.weight": ("F32", [16, 8])})
+    index = CheckpointIndex.read(tmp_path)
+    assert index is not None
+    spec = AdapterSpec.of("t", {"r": 4, "target_modules": ["q_proj"]})
+    a, b = ("base_model.model.model.layers.0.q_proj.lora_A.weight",
+            "base_model.model.model.layers.0.q_proj.lora_B.weight")
+
+    def plan(a_shape, b_shape):
+        return RefitPlan.from_state_dict_info({a: (a_shape, "float32"), b: (b_shape, "float32")},
+                                              adapter=spec)
+
+    index.check_adapter(plan((4, 8), (16, 4)))
+    for a_shape, b_shape, needle in (((4, 9), (16, 4), "lora_A is [r, 8]"),
+                                     ((4, 8), (15, 4), "lora_B is [16, r]"),
+                                     ((2, 8), (16, 2), "r in [4]")):
+        with pytest.raises(InvalidPlanError) as e:
+            index.check_adapter(plan(a_shape, b_shape))
+        assert e.value.reason == "INVALID_ADAPTER" and needle in e.value.message, e.value

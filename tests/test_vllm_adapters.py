@@ -13,8 +13,8 @@ the engine serves, then loaded or replaced in place under the adapter's name, fr
     the steady gap, and the flip reports no stall.
 (b) Bad adapters are refused at Prepare, typed and named, and nothing changes: a rank over the
     engine's maximum, a module the model cannot adapt, a name that is the base model's or that
-    of an adapter the operator loaded from a file; and an engine started without LoRA refuses
-    any adapter (ADAPTER_UNSUPPORTED).
+    of an adapter the operator loaded from a file, a factor whose shape does not fit its base
+    weight; and an engine started without LoRA refuses any adapter (ADAPTER_UNSUPPORTED).
 """
 
 from __future__ import annotations
@@ -188,10 +188,12 @@ def test_bad_adapters_are_refused_at_prepare_and_change_nothing(pool, rig, train
     norm = {"base_model.model.model.norm.lora_A.weight": ((RANK, 128), torch.float32),
             "base_model.model.model.norm.lora_B.weight": ((128, RANK), torch.float32)}
     base_name = AdapterSpec.of(SERVED_MODEL, config)
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"  # [r, hidden 128]
     cases = [(info, too_wide, "max_lora_rank"),
              ({**info, **norm}, trainer["spec"], "do not have"),
              (info, base_name, "the name vLLM serves the base model under"),
-             (info, AdapterSpec.of("from-disk", config), "is taken")]
+             (info, AdapterSpec.of("from-disk", config), "is taken"),
+             ({**info, q_a: ((RANK, 64), torch.float32)}, trainer["spec"], "has shape [8, 64]")]
     for plan_info, spec, needle in cases:
         with pytest.raises(FleetError) as caught:
             rig.fleet.prepare(plan_info, adapter=spec)

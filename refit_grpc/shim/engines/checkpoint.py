@@ -99,6 +99,32 @@ class CheckpointIndex:
                 reason=Reason.UNKNOWN_TENSOR)
 
 
+    def check_adapter(self, plan: RefitPlan) -> None:
+        """Every LoRA factor of an adapter plan fits the base weight it adapts: PEFT's
+        `base_model.model.<module>.lora_A.weight` is [r, in] and `...lora_B.weight` [out, r] for
+        the checkpoint's `<module>.weight` [out, in] (r: the config's rank, or its
+        rank_pattern's). A factor of another shape would pass vLLM's build and fail when vLLM
+        copies it into its LoRA slots, after the old adapter was dropped. Raises
+        InvalidPlanError (INVALID_ADAPTER) naming the first that does not fit; modules the
+        checkpoint does not have are the engine's check (vLLM's adaptable modules)."""
+        assert plan.adapter is not None
+        config = plan.adapter.config
+        ranks = {int(v) for v in (config.get("rank_pattern") or {}).values()} | {int(config["r"])}
+        for s in plan.tensors:
+            module, factor = _lora_factor(s.name)
+            base = self.shapes.get(f"{module}.weight") if module else None
+            if base is None or len(base) != 2 or len(s.shape) != 2:
+                continue
+            out, inp = base
+            fits = (s.shape[1] == inp and s.shape[0] in ranks) if factor == "A" \
+                else (s.shape[0] == out and s.shape[1] in ranks)
+            if not fits:
+                want = f"[r, {inp}]" if factor == "A" else f"[{out}, r]"
+                raise InvalidPlanError(
+                    f"adapter {plan.adapter.name!r}: {s.name!r} has shape {list(s.shape)}; "
+                    f"for {module}.weight {list(base)} lora_{factor} is {want} with r in "
+                    f"{sorted(ranks)}", reason=Reason.INVALID_ADAPTER)
+
     def _check_dtype(self, name: str, dtype: torch.dtype, engine: str, quantization: str) -> None:
         stored = self.dtypes.get(name, "")
         if stored in _TRAINED:
@@ -119,6 +145,16 @@ class CheckpointIndex:
                 f"send it as {wanted}, quantized with its scales, or serve the model from "
                 "trained weights with online quantization", reason=Reason.TENSOR_MISMATCH)
         # A stored dtype this project does not know (e.g. packed 4-bit): not judged here.
+
+
+def _lora_factor(name: str) -> tuple[str, str]:
+    """(the adapted module's checkpoint name, "A" or "B") of a PEFT factor name; ("", "") for
+    anything else."""
+    for factor in ("A", "B"):
+        head, sep, _ = name.partition(f".lora_{factor}.")
+        if sep:
+            return head.removeprefix("base_model.model."), factor
+    return "", ""
 
 
 def safetensors_header(path: Path) -> dict:

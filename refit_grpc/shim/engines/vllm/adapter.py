@@ -326,6 +326,10 @@ class VLLMEngine(HttpEngine):
                 cls = FailedPreconditionError if reason is Reason.ADAPTER_UNSUPPORTED \
                     else InvalidPlanError
                 raise cls(str(problem), reason=reason)
+        # After vLLM's own checks (its rank limit is the clearer message for a wide adapter).
+        index = self._checkpoint_index() if self.check_names else None
+        if index is not None:
+            index.check_adapter(plan)
 
     def _check_adapter_name(self, name: str) -> None:
         """The name must be free for this project's adapter: not the base model's (vLLM routes
