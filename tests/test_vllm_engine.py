@@ -269,10 +269,21 @@ def test_flush_wait_on_a_busy_engine_finishes_requests_and_empties_the_prefix_ca
         except BaseException as e:  # noqa: BLE001  (asserted below)
             errors.append(e)
 
-    threads = [threading.Thread(target=generate, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    _wait_running(url, at_least=1, timeout_s=30)
+    # Requests in flight when Flush comes. On 2 busy cores a /metrics scrape can take longer
+    # than four short generations, so a batch may finish unobserved (measured once in a
+    # fresh-clone run): then a new batch, up to three.
+    for _ in range(3):
+        results.clear()
+        threads = [threading.Thread(target=generate, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        if _wait_running(url, at_least=1, timeout_s=30,
+                         finished=lambda batch=threads: not any(t.is_alive() for t in batch)):
+            break
+        for t in threads:
+            t.join(120)
+    else:
+        raise AssertionError(f"no request seen running on {url} in three batches")
     t_flush = time.monotonic()
     with grpc.insecure_channel(shim.address) as channel:
         reply = pb_grpc.RefitServiceStub(channel).Flush(
@@ -372,13 +383,19 @@ def test_engine_killed_mid_receive_fails_typed_then_a_restart_is_refit_through_t
     assert complete(restarted.url, PROMPT, GEN)["token_ids"] == expected_tokens(trainer, weights)
 
 
-def _wait_running(url: str, at_least: int, timeout_s: float) -> None:
+def _wait_running(url: str, at_least: int, timeout_s: float,
+                  finished=lambda: False) -> bool:
+    """Until vLLM's metrics show `at_least` requests running: True; False once `finished()`
+    says the requests are all done (they ran between two scrapes). Raises at the timeout."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
+        done = finished()
         _, text = http_json("GET", url, "/metrics", timeout_s=5)
         for line in str(text).splitlines():
             if line.startswith("vllm:num_requests_running") and \
                     float(line.rsplit(" ", 1)[1]) >= at_least:
-                return
+                return True
+        if done:
+            return False
         time.sleep(0.02)
     raise AssertionError(f"no request running on {url} after {timeout_s}s")
