@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,27 @@ class RendezvousTimeoutError(RefitTimeoutError):
     def __init__(self, message: str, *, missing_ranks: Sequence[int] = ()):
         super().__init__(message, reason=Reason.RENDEZVOUS_TIMEOUT)
         self.missing_ranks = tuple(missing_ranks)
+
+
+class PendingReceive(Protocol):
+    def wait(self, deadline: Deadline, what: str) -> None: ...
+
+
+class ReceivingGroup(Protocol):
+    """What an engine's receive uses of its data group: a `collective.Group`, or a
+    `shared_rank.SharedRankMember` of a rank shared with other engines of the process."""
+
+    spec: GroupSpec
+    device: torch.device
+
+    @property
+    def closed(self) -> bool: ...
+
+    def receive_buffers(self, plan: RefitPlan) -> list[torch.Tensor]: ...
+
+    def broadcast_async(self, tensor: torch.Tensor, deadline: Deadline) -> PendingReceive: ...
+
+    def close(self) -> None: ...
 
 
 class Group:
@@ -722,7 +743,7 @@ def _span(tensors: Sequence[torch.Tensor], nbytes: int, device: torch.device) ->
     return view.set_(storage, first.data_ptr() - base, (nbytes,), (1,))
 
 
-def receive(group: Group, plan: RefitPlan, deadline: Deadline,
+def receive(group: ReceivingGroup, plan: RefitPlan, deadline: Deadline,
             apply: Callable[[Bucket, Iterator[tuple[TensorSpec, torch.Tensor]]], None],
             on_bucket: Callable[[Bucket], None] | None = None,
             land: Callable[[Bucket], torch.Tensor | None] | None = None, *,
@@ -746,7 +767,7 @@ def receive(group: Group, plan: RefitPlan, deadline: Deadline,
     # A staging copy takes every bucket in place: no bucket buffers are needed at all.
     slots = [] if land is not None and land_from_first else group.receive_buffers(plan)
     # bucket index -> (the pending receive, where it lands, whether that is the engine's storage)
-    pending: dict[int, tuple[_PendingOp, torch.Tensor, bool]] = {}
+    pending: dict[int, tuple[PendingReceive, torch.Tensor, bool]] = {}
     reported = False
 
     def post(i: int) -> None:

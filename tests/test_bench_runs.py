@@ -94,10 +94,13 @@ def test_make_bench_catch_up_runs():
 def test_make_bench_scale_runs_and_draws_its_figure():
     lines = bench_lines("bench-scale")
     out = run_target("bench-scale", 100)
-    rows = [ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0].isdigit()]
-    assert [int(r[0]) for r in rows] == [2, 4], out
+    rows = [ln.split() for ln in out.splitlines()
+            if ln.split()[:1] in (["processes"], ["simulated"]) and ln.split()[1].isdigit()]
+    assert [(r[0], int(r[1])) for r in rows] == [("processes", 2), ("processes", 4),
+                                                 ("simulated", 3), ("simulated", 8)], out
+    assert "a SIMULATION" in out and "at 8 engines (simulated): `fleet status`" in out, out
     for row in rows:
-        cpu_per_engine, threads, egress = float(row[6]), int(row[7]), float(row[9])
+        cpu_per_engine, threads, egress = float(row[7]), int(row[8]), float(row[10])
         # Each is measured, not a placeholder: some CPU, a trainer with threads, bytes sent.
         assert cpu_per_engine > 0 and threads > 1 and egress >= 1, row
     assert "figure: build/bench-scale.png" in out and (ROOT / "build/bench-scale.png").exists()

@@ -138,13 +138,19 @@ def _bench_lora_quant(args: argparse.Namespace) -> int:
 def _bench_scale(args: argparse.Namespace) -> int:
     from refit_grpc.tools.bench_scale import run_bench_scale
 
-    widths = tuple(int(w) for w in args.widths.split(","))
+    def widths_of(text: str) -> tuple[int, ...]:
+        return tuple(int(w) for w in text.split(",") if w.strip())
+
+    widths, simulated = widths_of(args.widths), widths_of(args.simulated)
+    per_process = args.engines_per_process
     if args.quick:
-        widths, args.epochs = (2, 4), 2
-    if any(w < 1 for w in widths):
-        print(f"bench-scale: widths must be positive: {args.widths}", file=sys.stderr)
+        widths, simulated, per_process, args.epochs = (2, 4), (3, 8), 4, 2
+    if any(w < 1 for w in widths + simulated) or per_process < 1:
+        print(f"bench-scale: widths must be positive: {args.widths} / {args.simulated}",
+              file=sys.stderr)
         return 2
-    run_bench_scale(widths, epochs=args.epochs, buckets=args.buckets, figure=args.png or None)
+    run_bench_scale(widths, epochs=args.epochs, buckets=args.buckets, figure=args.png or None,
+                    simulated=simulated, engines_per_process=per_process)
     return 0
 
 
@@ -191,6 +197,11 @@ def _add_shim_parser(sub: Any) -> None:
                            "per this many ms (0: every bucket)")
     shim.add_argument("--grace-s", type=float, default=30.0)
     shim.add_argument("--instance-id", default="")
+    shim.add_argument("--engines", type=int, default=1, metavar="K",
+                      help="serve K engines from this process (reference engine): one gRPC "
+                           "server each (ports from --address's on, or free ones with port 0; "
+                           "instance ids INSTANCE_ID-0 ...), one shared receiving rank in "
+                           "every data group (a host's relay; the simulated wide fleet)")
     shim.add_argument("--torch-threads", type=int, default=1)
     shim.add_argument("--token-file", help="bearer tokens, one per line (or REFIT_GRPC_TOKEN)")
     shim.add_argument("--tls-cert", help="server certificate chain (PEM)")
@@ -308,14 +319,20 @@ def _add_bench_parsers(sub: Any) -> None:
     scale = sub.add_parser("bench-scale", help="what control costs the trainer as the fleet "
                                                "widens: CPU per engine, threads, egress")
     scale.add_argument("--widths", default="8,16,32,64",
-                       help="comma-separated fleet widths (real shim processes, the widest "
-                            "started once)")
+                       help="comma-separated fleet widths of real shim processes, one engine "
+                            "each (the widest started once; empty: none)")
+    scale.add_argument("--simulated", default="8,64,256,1000",
+                       help="comma-separated widths of the simulated series: shim processes "
+                            "of --engines-per-process engines sharing one receiving rank each "
+                            "(empty: none)")
+    scale.add_argument("--engines-per-process", type=int, default=50)
     scale.add_argument("--epochs", type=int, default=6, help="in-place epochs per width")
     scale.add_argument("--buckets", type=int, default=8, help="16 KiB buckets per epoch")
     scale.add_argument("--png", default="build/bench-scale.png",
                        help="the figure of cost against width (empty: none; needs matplotlib)")
     scale.add_argument("--quick", action="store_true",
-                       help="widths 2 and 4, 2 epochs: that it runs, in seconds")
+                       help="widths 2 and 4, simulated 3 and 8 (4 per process), 2 epochs: "
+                            "that it runs, in seconds")
     scale.set_defaults(func=_bench_scale)
 
 

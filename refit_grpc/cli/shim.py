@@ -1,8 +1,10 @@
-"""`refit-grpc shim`: serve RefitService next to one engine (the process `spawn_shim` starts)."""
+"""`refit-grpc shim`: serve RefitService next to one engine, or K engines sharing one receiving
+rank (`--engines K`); the process `spawn_shim` starts."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
@@ -40,9 +42,24 @@ def run_shim(args: argparse.Namespace) -> int:
     for item in args.engine_option:
         key, _, value = item.partition("=")
         options[key] = value
+    if args.engines < 1:
+        raise SystemExit("--engines must be >= 1")
+    if args.engines > 1 and args.metrics_address is not None:
+        raise SystemExit("--metrics-address serves one engine's metrics; with --engines > 1 "
+                         "there is no per-process endpoint yet (docs/scale.md)")
     # The flags that name an engine option go to the engine whose options have it.
-    engine = create_engine(args.engine, packing, **options, flags={
+    engines = [create_engine(args.engine, packing, **options, flags={
         "url": args.engine_url, "model": args.model, "seed": args.seed})
+        for _ in range(args.engines)]
+    if args.engines > 1:
+        from refit_grpc.shared_rank import SharedRank
+
+        rank = SharedRank()
+        try:
+            for engine in engines:
+                engine.share_rank(rank)
+        except ValueError as e:
+            raise SystemExit(f"--engines {args.engines}: {e}") from None
     import ipaddress
 
     for cidr in args.allow_master:
@@ -53,8 +70,6 @@ def run_shim(args: argparse.Namespace) -> int:
     config_kwargs = {"max_epoch_s": args.max_epoch_s,
                      "progress_interval_s": max(args.progress_interval_ms, 0.0) / 1000,
                      "allowed_master_networks": tuple(args.allow_master)}
-    if args.instance_id:
-        config_kwargs["instance_id"] = args.instance_id
     tokens = _read_tokens(args.token_file)
     tls = None
     if args.tls_cert or args.tls_key:
@@ -86,17 +101,48 @@ def run_shim(args: argparse.Namespace) -> int:
     # Installed before the READY line: a supervisor's SIGTERM right after it must stop us
     # gracefully, not end us with the default handler's status.
     signals = StopSignals().install()
-    server = ShimServer(engine, ShimConfig(**config_kwargs),
-                        ServerOptions(address=args.address, grace_s=args.grace_s,
-                                      metrics_address=args.metrics_address),
-                        credentials=tls.credentials() if tls else None,
-                        interceptors=(TokenAuthInterceptor(tokens),) if tokens else ()).start()
-    # Parent processes (demo, tests) read these lines to learn the ports (0 binds a free one).
-    if server.metrics is not None:
-        print(f"{METRICS_PREFIX}http://{server.metrics.address}/metrics", flush=True)
-    print(f"{READY_PREFIX}{server.address} {server.servicer.config.instance_id}", flush=True)
-    server.serve_until_signal(signals)
+    servers = []
+    for k, (engine, address) in enumerate(zip(engines, _addresses(args.address, len(engines)))):
+        config = ShimConfig(**config_kwargs)
+        if args.instance_id:
+            config = dataclasses.replace(config, instance_id=_instance_id(args.instance_id, k,
+                                                                         len(engines)))
+        servers.append(ShimServer(
+            engine, config, ServerOptions(address=address, grace_s=args.grace_s,
+                                          metrics_address=args.metrics_address),
+            credentials=tls.credentials() if tls else None,
+            interceptors=(TokenAuthInterceptor(tokens),) if tokens else ()).start())
+        # Parent processes (demo, tests) read these lines to learn the ports (0 binds a free
+        # one): the metrics line first, then one READY line per engine.
+        if servers[-1].metrics is not None:
+            print(f"{METRICS_PREFIX}http://{servers[-1].metrics.address}/metrics", flush=True)
+        print(f"{READY_PREFIX}{servers[-1].address} {config.instance_id}", flush=True)
+    if len(servers) == 1:
+        servers[0].serve_until_signal(signals)
+    else:
+        from refit_grpc.shim.server import serve_all_until_signal
+
+        serve_all_until_signal(servers, signals)
     return 0
+
+
+def _addresses(address: str, count: int) -> list[str]:
+    """One listen address per engine: the same host, port 0 for each (free ones), or `count`
+    consecutive ports from the given one."""
+    host, _, port = address.rpartition(":")
+    if count == 1 or not port.isdigit():
+        return [address] * count
+    first = int(port)
+    if first and first + count > 65536:
+        raise SystemExit(f"--address {address}: {count} engines need ports up to "
+                         f"{first + count - 1}")
+    return [f"{host}:{first + k if first else 0}" for k in range(count)]
+
+
+def _instance_id(given: str, k: int, count: int) -> str:
+    """The engine's instance id from --instance-id: as given for one engine, INSTANCE_ID-k for
+    several (without the flag each engine gets a random one)."""
+    return given if count == 1 else f"{given}-{k}"
 
 
 def _read_tokens(path: str | None) -> list[str]:

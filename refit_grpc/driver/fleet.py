@@ -132,8 +132,16 @@ class Fleet:
 
     @property
     def inference_world_size(self) -> int:
-        """The engines' ranks in the group: members x `engine_world_size`."""
-        return len(self.membership.members) * self.config.engine_world_size
+        """The engines' ranks in the group: members x `engine_world_size`, where engines that
+        share a receiving rank (a shim process serving several, Describe's `shared_rank`) count
+        once. Which do is learned by the last formation's Describe round (`connect()`,
+        `init_collective()`); before one, every engine counts, so a trainer whose engines share
+        ranks forms with `connect()`, which counts them itself."""
+        members = self.membership.members
+        layout = self.formation.last_layout
+        if layout is not None and layout.instances == [m.endpoint.instance_id for m in members]:
+            return layout.inference_world_size
+        return len(members) * self.config.engine_world_size
 
     @property
     def sender_spec(self) -> Packing:

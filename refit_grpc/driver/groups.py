@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -64,6 +65,21 @@ class _FailureOrder:
             return list(self._failed)
 
 
+@dataclass(frozen=True)
+class RankLayout:
+    """The members' ranks in a group, in member order: each one's instance id (Describe's),
+    its first rank counted from the engines' first (`offsets`), and the engines' ranks in all
+    (`inference_world_size`, each shared rank counted once)."""
+
+    instances: list[str]
+    offsets: list[int]
+    inference_world_size: int
+
+    def members_of(self, rank: int, width: int) -> list[int]:
+        """The members (indices) that hold engine rank `rank` (counted from 0)."""
+        return [i for i, o in enumerate(self.offsets) if o <= rank < o + width]
+
+
 class GroupFormation:
     """Forms, re-forms and drops the fleet's data group (module docstring).
 
@@ -78,37 +94,71 @@ class GroupFormation:
         self.calls = calls
         self.membership = membership
         self.group_id: str | None = None  # the formed group's name; None: no group
+        self.last_layout: RankLayout | None = None  # the ranks the last Describe round found
+
+    def ranks(self, members: Sequence[Member]) -> RankLayout:
+        """Who the members are and which ranks they take (one Describe each): engines that
+        share a rank (Describe's `shared_rank`, a shim process serving several engines) take
+        one rank between them; every other engine `engine_world_size` of its own.
+
+        Raises:
+            FleetError: a Describe failed, or an engine of several ranks says it shares one.
+        """
+        quick = pb.DescribeRequest(skip_weights_digest=True)
+        about = self.calls.all("Describe", links(members), lambda w: quick, "describe failed")
+        width = self.config.engine_world_size
+        offsets: list[int] = []
+        first_of: dict[str, int] = {}
+        next_rank = 0
+        for m, d in zip(members, about):
+            if d.shared_rank and width != 1:
+                raise FleetError("a shared receiving rank is for engines of one rank each",
+                                 [WorkerFailure(m.endpoint.instance_id, m.endpoint.address,
+                                                grpc.StatusCode.FAILED_PRECONDITION,
+                                                Reason.INVALID_WORLD_SIZE,
+                                                f"shares rank {d.shared_rank!r} while the "
+                                                f"fleet's engine_world_size is {width}")],
+                                 reason=Reason.INVALID_WORLD_SIZE)
+            if d.shared_rank and d.shared_rank in first_of:
+                offsets.append(first_of[d.shared_rank])
+                continue
+            if d.shared_rank:
+                first_of[d.shared_rank] = next_rank
+            offsets.append(next_rank)
+            next_rank += width
+        layout = RankLayout([d.instance_id for d in about], offsets, next_rank)
+        self.last_layout = layout
+        return layout
 
     def start(self, members: Sequence[Member], plan: RefitPlan, ip: str, port: int,
-              world_size: int, train_world_size: int, group_id: str | None = None
-              ) -> list[Future]:
+              world_size: int, train_world_size: int, group_id: str | None = None, *,
+              layout: RankLayout | None = None) -> list[Future]:
         """InitCollective on every member, without waiting (`Fleet.init_collective()`
-        documents it): one future per member.
+        documents it): one future per member. `layout`: the members' ranks, when the caller
+        asked for them already (`ranks()`).
 
         Raises:
             InvalidArgumentError: a world size that is not `train_world_size` + the members'
                 ranks (INVALID_WORLD_SIZE).
             MembershipChangedError: `validate_workers` reports a change.
         """
-        inference_world_size = len(members) * self.config.engine_world_size
-        if world_size != train_world_size + inference_world_size:
+        self.membership.check_unchanged()
+        layout = layout or self.ranks(members)
+        if world_size != train_world_size + layout.inference_world_size:
             raise InvalidArgumentError(
                 f"world_size {world_size} != train_world_size {train_world_size} + "
-                f"inference_world_size {inference_world_size}", reason=Reason.INVALID_WORLD_SIZE)
-        self.membership.check_unchanged()
+                f"inference_world_size {layout.inference_world_size}",
+                reason=Reason.INVALID_WORLD_SIZE)
         shims = links(members)
-        quick = pb.DescribeRequest(skip_weights_digest=True)
-        instances = [d.instance_id for d in self.calls.all(
-            "Describe", shims, lambda w: quick, "describe failed")]
         group_id = group_id or f"refit-{uuid.uuid4().hex[:12]}"
         requests = [pb.InitCollectiveRequest(
             master_address=ip, master_port=port, world_size=world_size,
-            rank_offset=train_world_size + i * self.config.engine_world_size,
+            rank_offset=train_world_size + offset,
             backend=BACKEND_FROM_NAME[self.config.backend], group_id=group_id,
-            plan_digest=plan.digest) for i in range(len(shims))]
+            plan_digest=plan.digest) for offset in layout.offsets]
         futures = self.calls.join(shims, requests)
         self.group_id = group_id
-        self.membership.formed(members, instances)
+        self.membership.formed(members, layout.instances)
         return futures
 
     def check_backend(self) -> None:
@@ -123,7 +173,8 @@ class GroupFormation:
         """Form a group of `members` with this process as the only trainer rank
         (`Fleet.connect()`, which documents it): the trainer's store listens before any
         shim is told where; the first shim whose join fails ends the trainer's wait."""
-        world = 1 + len(members) * self.config.engine_world_size
+        layout = self.ranks(members)
+        world = 1 + layout.inference_world_size
         store: TCPStore | None = None
         listener: socket.socket | None = None
         if self.config.backend == "nccl":
@@ -136,7 +187,7 @@ class GroupFormation:
             port = store.port
         shims = links(members)
         try:
-            futures = self.start(members, plan, ip, port, world, 1)
+            futures = self.start(members, plan, ip, port, world, 1, layout=layout)
         except BaseException:
             if listener is not None:
                 listener.close()
@@ -148,7 +199,7 @@ class GroupFormation:
         except RefitError as e:
             causes = failed_first.futures()
             self._abort_everyone("trainer failed to join")
-            failures = self._join_failures(futures, shims, causes, e)
+            failures = self._join_failures(futures, shims, causes, e, layout)
             if causes:
                 message = (f"{failures[0].instance_id}'s join failed, so the trainer gave the "
                            f"rendezvous up: {failures[0].message}")
@@ -249,7 +300,8 @@ class GroupFormation:
         return failed
 
     def _join_failures(self, futures: list[Future], shims: Sequence[WorkerLink],
-                       causes: Sequence[Future], error: RefitError) -> list[WorkerFailure]:
+                       causes: Sequence[Future], error: RefitError, layout: RankLayout
+                       ) -> list[WorkerFailure]:
         """Why a formation failed, the causes first: the shims whose joins failed before the
         trainer gave up (in the order they failed), then those that never reached the
         trainer's store (`RendezvousTimeoutError.missing_ranks`), then the rest (those the
@@ -258,8 +310,9 @@ class GroupFormation:
         missing: list[WorkerFailure] = []
         seen: set[int] = set()
         for rank in getattr(error, "missing_ranks", ()):
-            i = (rank - 1) // self.config.engine_world_size
-            if 0 <= i < len(shims) and i not in seen and id(futures[i]) not in first:
+            for i in layout.members_of(rank - 1, self.config.engine_world_size):
+                if i in seen or id(futures[i]) in first:
+                    continue
                 seen.add(i)
                 e = shims[i].endpoint
                 missing.append(WorkerFailure(
@@ -315,4 +368,4 @@ def _collect(futures: Sequence[Future], timeout_s: float,
     return failures
 
 
-__all__ = ["GroupFormation", "check_formation"]
+__all__ = ["GroupFormation", "RankLayout", "check_formation"]

@@ -298,3 +298,21 @@ class ShimServer:
         self.stop()
         log.info("stopped in %.2fs", time.monotonic() - t0)
 
+
+def serve_all_until_signal(servers: list[ShimServer], signals: StopSignals) -> None:
+    """The servers of one process (`refit-grpc shim --engines K`) until SIGTERM/SIGINT, then
+    every one stopped gracefully at once (each `ShimServer.stop`: its grace, then its epoch
+    aborted), within one exit budget."""
+    signals.wait()
+    log.info("signal %d: stopping %d engines", signals.first, len(servers))
+    for server in servers:
+        server.health.enter_graceful_shutdown()
+    grace = max(s.options.grace_s for s in servers)
+    faulthandler.dump_traceback_later(grace + _EXIT_BUDGET_S, exit=True)
+    stops = [threading.Thread(target=s.stop, name=f"stop-{k}", daemon=True)
+             for k, s in enumerate(servers)]
+    for t in stops:
+        t.start()
+    for t in stops:
+        t.join()
+

@@ -120,6 +120,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     previous_copy_version=previous[0] if previous else 0,
                     previous_copy_digest=previous[1] if previous else "",
                     quantization=self.engine.quantization,
+                    shared_rank=self.engine.shared_rank,
                     adapters=[pb.AdapterVersion(name=name, version=version)
                               for name, version in sorted(self.engine.adapters.items())])
 

@@ -136,25 +136,36 @@ class ShimForkServer:
         self.started: list[ForkedShim] = []
 
     def start(self, *args: str, timeout_s: float = 60.0) -> ForkedShim:
+        return self.start_engines(1, *args, timeout_s=timeout_s)[0]
+
+    def start_engines(self, engines: int, *args: str, timeout_s: float = 60.0
+                      ) -> list[ForkedShim]:
+        """One process serving `engines` engines (`refit-grpc shim --engines`, which share one
+        receiving rank when more than one): a `ForkedShim` per engine, the same process."""
         argv = ["shim", *args]
         if "--address" not in args:
             argv += ["--address", "127.0.0.1:0"]
+        if engines != 1:
+            argv += ["--engines", str(engines)]
         receive, send = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(target=_run_shim, args=(argv, send), daemon=True)
         process.start()
         send.close()
         metrics_address = None
+        shims: list[ForkedShim] = []
         try:
             while receive.poll(timeout_s):
-                text = receive.recv()
-                if text.startswith(METRICS_PREFIX):
-                    url = text[len(METRICS_PREFIX):].strip()
-                    metrics_address = url.removeprefix("http://").removesuffix("/metrics")
-                if text.startswith(READY_PREFIX):
-                    address, instance_id = text[len(READY_PREFIX):].split()
-                    shim = ForkedShim(process, address, instance_id, metrics_address)
-                    self.started.append(shim)
-                    return shim
+                # One write may carry several lines (stdout is not line-buffered here).
+                for text in receive.recv().splitlines():
+                    if text.startswith(METRICS_PREFIX):
+                        url = text[len(METRICS_PREFIX):].strip()
+                        metrics_address = url.removeprefix("http://").removesuffix("/metrics")
+                    if text.startswith(READY_PREFIX):
+                        address, instance_id = text[len(READY_PREFIX):].split()
+                        shims.append(ForkedShim(process, address, instance_id, metrics_address))
+                if len(shims) == engines:
+                    self.started += shims
+                    return shims
         except EOFError:
             pass
         finally:
@@ -165,8 +176,11 @@ class ShimForkServer:
                            f"(exit code {process.exitcode})")
 
     def close(self) -> None:
+        stopped: set[int] = set()
         for shim in self.started:
-            shim.stop()
+            if id(shim.process) not in stopped:  # the engines of one process stop together
+                stopped.add(id(shim.process))
+                shim.stop()
 
     def __enter__(self) -> ShimForkServer:
         return self

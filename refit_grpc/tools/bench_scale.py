@@ -1,8 +1,16 @@
 """`refit-grpc bench-scale`: what the control plane costs the trainer as the fleet widens (a
 benchmark: it reports and asserts nothing).
 
-Real shim processes (reference engines in store mode, forked from one server that has imported
-torch), each its own gRPC server and gloo rank, at each width of `widths`. The plan is tiny
+Two series, each at the widths given:
+- **processes**: real shim processes (reference engines in store mode, forked from one server
+  that has imported torch), each its own gRPC server and gloo rank (to 64 on 2 cores);
+- **simulated** (labelled so in the output and the figure): shim processes of up to
+  `engines_per_process` engines each (`refit-grpc shim --engines K`): every engine its own gRPC
+  server, state and UpdateWeights stream, the engines of a process sharing its one receiving
+  gloo rank (`refit_grpc.shared_rank`), as a host with K engines would run one shim. It reaches
+  1,000 engines on 2 cores; what it cannot show is K engines' own compute on separate GPUs.
+
+The plan is tiny
 (`buckets` buckets of 16 KiB), so what an epoch costs beyond its broadcast is control: the
 UpdateWeights streams, the two-phase waits, the reports. Per width, medians of `epochs` in-place
 epochs:
@@ -15,8 +23,8 @@ epochs:
   bytes, i.e. how many copies of each byte the trainer sends itself (gloo's broadcast);
 - the group's formation and one `describe()` of the whole fleet.
 
-Widths beyond what a 2-core machine runs as processes (the issue asks for 1,000) need engine
-servicers that share a process and its receiving rank; they are not built (docs/bench.md).
+At the widest simulated width it also times `refit-grpc fleet status` (its rows: one Describe
+per engine) and a `describe()`.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ class ScaleRow:
     """One width's medians (module docstring)."""
 
     engines: int
+    series: str  # "processes" or "simulated"
     form_s: float
     epoch_s: float
     broadcast_s: float
@@ -86,7 +95,8 @@ def _weights(version: int, buckets: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(buckets)}
 
 
-def measure_width(shims: list, epochs: int, buckets: int, first_version: int) -> ScaleRow:
+def measure_width(shims: list, epochs: int, buckets: int, first_version: int,
+                  series: str = "processes") -> ScaleRow:
     """One width: a new Fleet of `shims`, formed, `epochs` in-place epochs from version
     `first_version` on, one more to warm up first (module docstring)."""
     from refit_grpc.driver import Fleet, WorkerEndpoint
@@ -94,9 +104,16 @@ def measure_width(shims: list, epochs: int, buckets: int, first_version: int) ->
     endpoints = [WorkerEndpoint(s.instance_id, s.address) for s in shims]
     peak_threads = [0]
 
+    sampled = [0.0]
+
     def on_progress(instance_id: str, index: int, count: int) -> None:
-        # Sampled mid-epoch, where the streams are open (it runs on the driver's I/O thread).
-        peak_threads[0] = max(peak_threads[0], _status("Threads"))
+        # Sampled mid-epoch, where the streams are open (it runs on the driver's I/O thread),
+        # at most every 20 ms: reading /proc at every engine's PROGRESS showed in the CPU it
+        # measures (a tenth of the I/O thread's at 256 engines).
+        now = time.perf_counter()
+        if now - sampled[0] >= 0.02:
+            sampled[0] = now
+            peak_threads[0] = max(peak_threads[0], _status("Threads"))
 
     fleet = Fleet(endpoints, packing=Packing(_BUCKET_BYTES, 2), join_timeout_s=120,
                   epoch_timeout_s=120)
@@ -121,7 +138,7 @@ def measure_width(shims: list, epochs: int, buckets: int, first_version: int) ->
         t0 = time.perf_counter()
         fleet.describe()
         describe_s = time.perf_counter() - t0
-        return ScaleRow(len(shims), form_s, statistics.median(walls), statistics.median(sends),
+        return ScaleRow(len(shims), series, form_s, statistics.median(walls), statistics.median(sends),
                         statistics.median(cpus) * 1e3, max(peak_threads[0], _status("Threads")),
                         _status("VmRSS") / 1024, statistics.median(copies), describe_s)
     finally:
@@ -132,33 +149,58 @@ def measure_width(shims: list, epochs: int, buckets: int, first_version: int) ->
 
 def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
                     buckets: int = 8, figure: str | None = "build/bench-scale.png",
-                    out=sys.stdout) -> list[ScaleRow]:
-    """The table (module docstring), widest shims started once and shared by every width;
-    returns the rows. `figure`: a PNG of cost against width (matplotlib), or None."""
+                    simulated: tuple[int, ...] = (8, 64, 256, 1000),
+                    engines_per_process: int = 50, out=sys.stdout) -> list[ScaleRow]:
+    """Both series (module docstring), each width's engines started once and shared by every
+    narrower width of the series; returns the rows. `figure`: a PNG of cost against width
+    (matplotlib), or None."""
     from refit_grpc.testing.forked_shims import ShimForkServer
 
     say = lambda line: print(line, file=out, flush=True)  # noqa: E731
-    say(f"bench-scale: real shim processes (reference engines, store mode), a plan of {buckets} "
-        f"x 16 KiB buckets, medians of {epochs} in-place epochs per width; trainer pid "
-        f"{os.getpid()}, {os.cpu_count()} cores")
+    say(f"bench-scale: reference engines in store mode, a plan of {buckets} x 16 KiB buckets, "
+        f"medians of {epochs} in-place epochs per width; trainer pid {os.getpid()}, "
+        f"{os.cpu_count()} cores")
     rows: list[ScaleRow] = []
+    args = ("--model", "none", "--buffer-size-bytes", str(_BUCKET_BYTES), "--torch-threads", "1")
+    version = 1
     with ShimForkServer() as server:
-        shims: list = []
-        for width in sorted(widths):
-            shims += [server.start("--model", "none", "--instance-id", f"sc-{i}",
-                                   "--buffer-size-bytes", str(_BUCKET_BYTES),
-                                   "--torch-threads", "1")
-                      for i in range(len(shims), width)]
-            rows.append(measure_width(shims[:width], epochs, buckets,
-                                      first_version=1 + len(rows) * (epochs + 1)))
-            _print_row(say, rows[-1], header=len(rows) == 1)
-    if len(rows) >= 2:
-        a, b = rows[0], rows[-1]
-        say(f"from {a.engines} to {b.engines} engines: trainer CPU per engine "
-            f"{a.cpu_per_engine_ms:.2f} -> {b.cpu_per_engine_ms:.2f} ms, control over the "
-            f"broadcast {a.control_s * 1e3:.0f} -> {b.control_s * 1e3:.0f} ms, threads "
-            f"{a.threads} -> {b.threads}, egress {a.egress_copies:.1f} -> "
-            f"{b.egress_copies:.1f} copies of each byte")
+        if widths:
+            say("processes: one shim process (one gRPC server, one gloo rank) per engine")
+            shims: list = []
+            for width in sorted(widths):
+                shims += [server.start(*args, "--instance-id", f"sc-{i}")
+                          for i in range(len(shims), width)]
+                rows.append(measure_width(shims[:width], epochs, buckets, version))
+                version += epochs + 1
+                _print_row(say, rows[-1], header=len(rows) == 1)
+            server.close()
+            server.started.clear()
+        if simulated:
+            say(f"simulated: shim processes of up to {engines_per_process} engines each, every "
+                "engine its own gRPC server and stream, one shared receiving gloo rank per "
+                "process (a SIMULATION of a fleet on one host)")
+            shims = []
+            for width in sorted(simulated):
+                while len(shims) < width:
+                    host = len(shims) // engines_per_process
+                    count = min(engines_per_process - len(shims) % engines_per_process,
+                                width - len(shims))
+                    shims += server.start_engines(count, *args, "--instance-id",
+                                                  f"sim{host}-{len(shims)}")
+                rows.append(measure_width(shims[:width], epochs, buckets, version,
+                                          series="simulated"))
+                version += epochs + 1
+                _print_row(say, rows[-1], header=not widths and len(rows) == 1)
+            say(_operator_calls(shims))
+    for series in ("processes", "simulated"):
+        mine = [r for r in rows if r.series == series]
+        if len(mine) >= 2:
+            a, b = mine[0], mine[-1]
+            say(f"{series}, from {a.engines} to {b.engines} engines: trainer CPU per engine "
+                f"{a.cpu_per_engine_ms:.2f} -> {b.cpu_per_engine_ms:.2f} ms, control over the "
+                f"broadcast {a.control_s * 1e3:.0f} -> {b.control_s * 1e3:.0f} ms, threads "
+                f"{a.threads} -> {b.threads}, RSS {a.rss_mb:.0f} -> {b.rss_mb:.0f} MB, egress "
+                f"{a.egress_copies:.1f} -> {b.egress_copies:.1f} copies of each byte")
     if figure:
         try:
             _draw(rows, figure)
@@ -168,14 +210,33 @@ def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
     return rows
 
 
+def _operator_calls(shims: list) -> str:
+    """What an operator's look at the whole fleet costs: `refit-grpc fleet status` (its rows)
+    and `describe()` of every engine, timed once each."""
+    from refit_grpc.cli.fleet import render_status, status_rows
+    from refit_grpc.driver import Fleet, WorkerEndpoint
+
+    with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
+               control_timeout_s=60) as fleet:
+        t0 = time.perf_counter()
+        table = render_status(status_rows(fleet))
+        status_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fleet.describe()
+        describe_s = time.perf_counter() - t0
+    return (f"at {len(shims)} engines (simulated): `fleet status` {status_s * 1e3:.0f} ms "
+            f"({len(table.splitlines())} lines), describe() {describe_s * 1e3:.0f} ms")
+
+
 def _print_row(say, r: ScaleRow, header: bool) -> None:
     if header:
-        say(f"{'engines':>7} {'form s':>7} {'epoch ms':>9} {'bcast ms':>9} {'control ms':>10} "
-            f"{'cpu ms':>7} {'cpu/eng ms':>10} {'threads':>7} {'rss MB':>7} {'egress x':>8} "
-            f"{'describe ms':>11}")
-    say(f"{r.engines:>7} {r.form_s:>7.2f} {r.epoch_s * 1e3:>9.1f} {r.broadcast_s * 1e3:>9.1f} "
-        f"{r.control_s * 1e3:>10.1f} {r.cpu_ms:>7.1f} {r.cpu_per_engine_ms:>10.3f} "
-        f"{r.threads:>7} {r.rss_mb:>7.0f} {r.egress_copies:>8.1f} {r.describe_s * 1e3:>11.1f}")
+        say(f"{'series':>9} {'engines':>7} {'form s':>7} {'epoch ms':>9} {'bcast ms':>9} "
+            f"{'control ms':>10} {'cpu ms':>7} {'cpu/eng ms':>10} {'threads':>7} {'rss MB':>7} "
+            f"{'egress x':>8} {'describe ms':>11}")
+    say(f"{r.series:>9} {r.engines:>7} {r.form_s:>7.2f} {r.epoch_s * 1e3:>9.1f} "
+        f"{r.broadcast_s * 1e3:>9.1f} {r.control_s * 1e3:>10.1f} {r.cpu_ms:>7.1f} "
+        f"{r.cpu_per_engine_ms:>10.3f} {r.threads:>7} {r.rss_mb:>7.0f} {r.egress_copies:>8.1f} "
+        f"{r.describe_s * 1e3:>11.1f}")
 
 
 def _draw(rows: list[ScaleRow], path: str) -> None:
@@ -184,27 +245,35 @@ def _draw(rows: list[ScaleRow], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = [r.engines for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(n, [r.cpu_per_engine_ms for r in rows], "o-", label="trainer CPU per engine (ms)")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for series, mark in (("processes", "o"), ("simulated", "s")):
+        mine = [r for r in rows if r.series == series]
+        if not mine:
+            continue
+        n = [r.engines for r in mine]
+        left.plot(n, [r.cpu_per_engine_ms for r in mine], mark + "-",
+                  label=f"trainer CPU per engine, {series}")
+        right.plot(n, [r.control_s * 1e3 for r in mine], mark + "-",
+                   label=f"control over broadcast, {series}")
+        right.plot(n, [r.epoch_s * 1e3 for r in mine], mark + ":",
+                   label=f"epoch, {series}")
     left.axhline(0.2, color="grey", linestyle=":", label="goal 0.2 ms")
     left.set_xlabel("engines")
     left.set_ylabel("ms per engine per epoch")
     left.set_xscale("log", base=2)
     left.set_ylim(bottom=0)
-    left.legend()
-    right.plot(n, [r.control_s * 1e3 for r in rows], "o-", label="control over broadcast (ms)")
-    right.plot(n, [r.broadcast_s * 1e3 for r in rows], "s--", label="broadcast (ms)")
-    right.plot(n, [r.threads for r in rows], "^-.", label="trainer threads")
+    left.legend(fontsize=8)
     right.set_xlabel("engines")
+    right.set_ylabel("ms per epoch")
     right.set_xscale("log", base=2)
-    right.legend()
-    fig.suptitle("bench-scale: real shim processes on one host")
+    right.set_yscale("log")
+    right.legend(fontsize=8)
+    fig.suptitle("bench-scale: one 2-core host; 'simulated' = engines sharing shim processes")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-if __name__ == "__main__":  # a quick look: python -m refit_grpc.tools.bench_scale [widths...]
-    run_bench_scale(tuple(int(a) for a in sys.argv[1:]) or (8, 16, 32, 64))
+if __name__ == "__main__":  # a quick look: python -m refit_grpc.tools.bench_scale [simulated...]
+    run_bench_scale(widths=(), simulated=tuple(int(a) for a in sys.argv[1:]) or (8, 64))

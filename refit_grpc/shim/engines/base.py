@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.errors import FailedPreconditionError, InvalidArgumentError
 from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
+
+if TYPE_CHECKING:
+    from refit_grpc.shared_rank import SharedRank
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,24 @@ class Engine(ABC):
         method's name, "none" when it serves them as sent, "" when this adapter cannot tell
         (the default)."""
         return ""
+
+    @property
+    def shared_rank(self) -> str:
+        """The name of the data-group rank this engine shares with other engines of its shim
+        process (Describe's `shared_rank`; `refit_grpc.shared_rank`), "" when it receives
+        through ranks of its own (the default)."""
+        return ""
+
+    def share_rank(self, rank: SharedRank) -> None:
+        """Receive through `rank`, shared with the other engines of this process
+        (`refit-grpc shim --engines K`). Only an engine of one rank whose receive runs in the
+        shim's process can; by default, refused.
+
+        Raises:
+            ValueError: this engine cannot share a rank.
+        """
+        raise ValueError(f"the {self.kind} engine receives through its own workers' ranks; "
+                         "only the reference engine shares a rank with other engines")
 
     @property
     def adapters(self) -> dict[str, int]:

@@ -22,7 +22,13 @@ from typing import Any
 import torch
 
 from refit_grpc.canary import teacher_forced_logprobs
-from refit_grpc.collective import Group, broadcast_buckets, copy_bytes, receive
+from refit_grpc.collective import (
+    Group,
+    ReceivingGroup,
+    broadcast_buckets,
+    copy_bytes,
+    receive,
+)
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
 from refit_grpc.delta import receive_delta
 from refit_grpc.errors import (
@@ -35,6 +41,7 @@ from refit_grpc.errors import (
 from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
 from refit_grpc.plan import Bucket, Packing, RefitPlan, TensorSpec, weights_digest
 from refit_grpc.reasons import Reason
+from refit_grpc.shared_rank import SharedRank
 from refit_grpc.shim.engines.base import Capabilities, Engine, EngineStatus
 from refit_grpc.shim.engines.options import EngineKind, EngineOptions
 from refit_grpc.staging import StagedDigest, StagingCopy
@@ -126,8 +133,11 @@ class ReferenceEngine(Engine):
     kind = "reference"
 
     def __init__(self, model: TinyLMConfig | None = TinyLMConfig(), seed: int = 0,
-                 packing: Packing = Packing()):
+                 packing: Packing = Packing(), shared_rank: SharedRank | None = None):
         self.offered_packing = packing
+        # The rank this engine receives through when it shares one with the other engines of
+        # its process (`refit-grpc shim --engines K`); None: a rank of its own.
+        self._shared_rank = shared_rank
         self._model: TinyLM | None = None
         self._weights: dict[str, torch.Tensor] = {}
         if model is not None:
@@ -140,7 +150,7 @@ class ReferenceEngine(Engine):
         # Guards the group, the plan, the digest cache and the receiving flag: status() runs
         # on Describe and health threads while a receive runs on the epoch's thread.
         self._lock = threading.Lock()
-        self._group: Group | None = None
+        self._group: ReceivingGroup | None = None
         self._plan: RefitPlan | None = None
         self._digest: str | None = None
         self._receiving = False  # weights are mid-update: no digest of them is meaningful
@@ -150,7 +160,7 @@ class ReferenceEngine(Engine):
         self._flat_offsets: list[int] = []
         # Staged epochs land here while the live weights keep serving (allocated at the first).
         self._staging = StagingCopy()
-        self._serving: Group | None = None  # the group a catch-up is served over, while it runs
+        self._serving: ReceivingGroup | None = None  # the group a catch-up is served over, while it runs
 
     @property
     def world_size(self) -> int:
@@ -163,6 +173,16 @@ class ReferenceEngine(Engine):
     @property
     def quantization(self) -> str:
         return NO_QUANTIZATION  # it holds exactly the bytes it is sent
+
+    @property
+    def shared_rank(self) -> str:
+        return "" if self._shared_rank is None else self._shared_rank.key
+
+    def share_rank(self, rank: SharedRank) -> None:
+        with self._lock:
+            if self._group is not None:
+                raise ValueError("share_rank() before the engine joins any group")
+            self._shared_rank = rank
 
     # --- state -----------------------------------------------------------------------------
 
@@ -276,7 +296,8 @@ class ReferenceEngine(Engine):
 
     def init_transfer(self, spec: GroupSpec, plan: RefitPlan, deadline: Deadline) -> None:
         self.abort_transfer()
-        group = Group.join(spec, deadline.check("rendezvous"), cancel=deadline.cancel)
+        join = Group.join if self._shared_rank is None else self._shared_rank.join
+        group = join(spec, deadline.check("rendezvous"), cancel=deadline.cancel)
         with self._lock:
             self._group = group
 
