@@ -99,6 +99,9 @@ def test_make_bench_scale_runs_and_draws_its_figure():
     assert [(r[0], int(r[1])) for r in rows] == [("processes", 2), ("processes", 4),
                                                  ("simulated", 3), ("simulated", 8)], out
     assert "a SIMULATION" in out and "at 8 engines (simulated): `fleet status`" in out, out
+    # Faults at the widest simulated width: the killed engine named first, the quorum flipped.
+    assert "naming the 1 first: yes" in out, out
+    assert "quorum 6: 6 flipped, left behind by name: the killed ones" in out, out
     for row in rows:
         cpu_per_engine, threads, egress = float(row[7]), int(row[8]), float(row[10])
         # Each is measured, not a placeholder: some CPU, a trainer with threads, bytes sent.

@@ -52,6 +52,10 @@ class WorkerFailure:
         return self.reason != self.code.name and self.reason not in _CONCLUDED_BY_DRIVER
 
 
+# How many failures a FleetError's message names (every one is in `failures`).
+_NAMED_IN_MESSAGE = 20
+
+
 class FleetError(RefitError, RuntimeError):
     """One or more workers failed a fleet call; `failures` names each with its reason.
 
@@ -69,7 +73,12 @@ class FleetError(RefitError, RuntimeError):
 
     def __init__(self, message: str, failures: list[WorkerFailure], *,
                  reason: Reason | str | None = None):
-        detail = "; ".join(str(f) for f in failures)
+        # The message names the first failures (root causes come first); at a thousand
+        # engines the whole list would be a megabyte of log line. `failures` has every one.
+        shown = failures[:_NAMED_IN_MESSAGE]
+        detail = "; ".join(str(f) for f in shown)
+        if len(failures) > len(shown):
+            detail += f"; and {len(failures) - len(shown)} more (FleetError.failures)"
         super().__init__(f"{message}: {detail}" if detail else message, reason=reason)
         self.failures = failures
 

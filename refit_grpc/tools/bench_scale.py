@@ -150,10 +150,12 @@ def measure_width(shims: list, epochs: int, buckets: int, first_version: int,
 def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
                     buckets: int = 8, figure: str | None = "build/bench-scale.png",
                     simulated: tuple[int, ...] = (8, 64, 256, 1000),
-                    engines_per_process: int = 50, out=sys.stdout) -> list[ScaleRow]:
+                    engines_per_process: int = 50, faults: int = 5,
+                    out=sys.stdout) -> list[ScaleRow]:
     """Both series (module docstring), each width's engines started once and shared by every
     narrower width of the series; returns the rows. `figure`: a PNG of cost against width
-    (matplotlib), or None."""
+    (matplotlib), or None. `faults`: at the widest simulated width, that many engines killed
+    mid-epoch, then twice as many mid-staging under a quorum (`faults_at_width`); 0: none."""
     from refit_grpc.testing.forked_shims import ShimForkServer
 
     say = lambda line: print(line, file=out, flush=True)  # noqa: E731
@@ -192,6 +194,10 @@ def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
                 version += epochs + 1
                 _print_row(say, rows[-1], header=not widths and len(rows) == 1)
             say(_operator_calls(shims))
+            if faults:
+                victims = [server.start(*args, "--instance-id", f"victim-{i}")
+                           for i in range(3 * faults)]
+                faults_at_width(shims, victims, faults, buckets, version, say)
     for series in ("processes", "simulated"):
         mine = [r for r in rows if r.series == series]
         if len(mine) >= 2:
@@ -208,6 +214,102 @@ def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
         except ImportError:
             say("figure: skipped, matplotlib is not installed (the dev extra has it)")
     return rows
+
+
+def faults_at_width(shims: list, victims: list, faults: int, buckets: int, version: int,
+                    say) -> None:
+    """Faults in a fleet of `len(shims)` engines: `faults` of them (single-engine processes,
+    so a SIGKILL ends exactly those) killed once every engine ACCEPTED an in-place epoch, then
+    `2 * faults` others killed at the first PROGRESS of a staged epoch whose quorum is all but
+    them. Says how fast the sender stopped, whether the epoch's failure named the killed
+    engines first, and the quorum's flip (or that it failed, and why). The simulated engines
+    fill the rest of each fleet."""
+    import signal
+
+    from refit_grpc.common import Deadline
+    from refit_grpc.driver import EpochFailedError, Fleet, FleetError, Staged, WorkerEndpoint
+    from refit_grpc.errors import RefitError
+
+    width = len(shims)
+    weights = _weights(version, buckets * 8)  # 8x the bench's plan: still mid-send when killed
+    spec = {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
+
+    def fleet_of(engines: list) -> Fleet:
+        # The killed ones spread through the fleet, not bunched at one end.
+        return Fleet([WorkerEndpoint(s.instance_id, s.address) for s in engines],
+                     packing=Packing(_BUCKET_BYTES, 2), join_timeout_s=120,
+                     epoch_timeout_s=120)
+
+    killed, rest = victims[:faults], victims[faults:]
+    engines = shims[:width - faults]
+    step = max(len(engines) // (faults + 1), 1)
+    for k, v in enumerate(killed):
+        engines.insert((k + 1) * step + k, v)
+    with fleet_of(engines) as fleet:
+        fleet.prepare(spec)
+        link = fleet.connect("127.0.0.1")
+        fleet.refit(link, weights, version=version)
+        handle = fleet.update_weights(version + 1)
+        handle.wait_accepted()
+        t0 = time.perf_counter()
+        for v in killed:
+            v.signal(signal.SIGKILL)
+        stopped_s = None
+        try:
+            link.sender.send(_weights(version + 1, buckets * 8), handle.send_deadline())
+        except RefitError:
+            stopped_s = time.perf_counter() - t0
+        named_s, first = None, []
+        try:
+            handle.result()
+        except EpochFailedError as e:
+            named_s = time.perf_counter() - t0
+            first = [f.instance_id for f in e.failures[:faults]]
+        link.close()
+    named = sorted(first) == sorted(v.instance_id for v in killed)
+    say(
+        f"faults at {len(engines)} engines (simulated): {faults} killed once all ACCEPTED; the "
+        f"sender stopped {_secs(stopped_s)} after the kill, the epoch failed "
+        f"{_secs(named_s)} after it, naming the {faults} first: {'yes' if named else 'NO'}")
+
+    engines = shims[:width - len(rest)]
+    step = max(len(engines) // (len(rest) + 1), 1)
+    for k, v in enumerate(rest):
+        engines.insert((k + 1) * step + k, v)
+    fired = []
+
+    def on_progress(*_progress) -> None:
+        if not fired:
+            fired.append(time.perf_counter())
+            for v in rest:
+                v.signal(signal.SIGKILL)
+
+    quorum = len(engines) - len(rest)
+    with fleet_of(engines) as fleet:
+        fleet.prepare(spec)
+        link = fleet.connect("127.0.0.1")
+        fleet.refit(link, weights, version=version + 2)
+        t0 = time.perf_counter()
+        try:
+            report = fleet.refit(link, _weights(version + 3, buckets * 8), version=version + 3,
+                                 epoch=Staged(min_engines=quorum), on_progress=on_progress)
+        except FleetError as e:  # reported, not hidden: a result of the bench like the others
+            say(f"quorum at {len(engines)} engines (simulated): {len(rest)} killed mid-staging, "
+                f"quorum {quorum}: NOT MET after {time.perf_counter() - t0:.1f} s: "
+                f"{len(e.failures)} failures; {str(e)[:400]}")
+            return
+        finally:
+            link.close()
+        took = time.perf_counter() - t0
+    behind = sorted(f.instance_id for f in report.left_behind)
+    say(f"quorum at {len(engines)} engines (simulated): {len(rest)} killed mid-staging, quorum "
+        f"{quorum}: {len(report.workers)} flipped, left behind by name: "
+        f"{'the killed ones' if behind == sorted(v.instance_id for v in rest) else behind}, "
+        f"the epoch {took:.1f} s ({report.reforms} re-formed rounds)")
+
+
+def _secs(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f} s"
 
 
 def _operator_calls(shims: list) -> str:
