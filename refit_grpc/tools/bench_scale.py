@@ -226,7 +226,6 @@ def faults_at_width(shims: list, victims: list, faults: int, buckets: int, versi
     fill the rest of each fleet."""
     import signal
 
-    from refit_grpc.common import Deadline
     from refit_grpc.driver import EpochFailedError, Fleet, FleetError, Staged, WorkerEndpoint
     from refit_grpc.errors import RefitError
 
