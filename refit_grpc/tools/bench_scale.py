@@ -275,7 +275,7 @@ def faults_at_width(shims: list, victims: list, faults: int, buckets: int, versi
     step = max(len(engines) // (len(rest) + 1), 1)
     for k, v in enumerate(rest):
         engines.insert((k + 1) * step + k, v)
-    fired = []
+    fired: list[float] = []
 
     def on_progress(*_progress) -> None:
         if not fired:
