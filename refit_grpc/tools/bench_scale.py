@@ -29,6 +29,7 @@ per engine) and a `describe()`.
 
 from __future__ import annotations
 
+import collections
 import os
 import resource
 import statistics
@@ -293,9 +294,10 @@ def faults_at_width(shims: list, victims: list, faults: int, buckets: int, versi
             report = fleet.refit(link, _weights(version + 3, buckets * 8), version=version + 3,
                                  epoch=Staged(min_engines=quorum), on_progress=on_progress)
         except FleetError as e:  # reported, not hidden: a result of the bench like the others
+            reasons = collections.Counter(f"{f.code.name}/{f.reason}" for f in e.failures)
             say(f"quorum at {len(engines)} engines (simulated): {len(rest)} killed mid-staging, "
                 f"quorum {quorum}: NOT MET after {time.perf_counter() - t0:.1f} s: "
-                f"{len(e.failures)} failures; {str(e)[:400]}")
+                f"{len(e.failures)} failures ({dict(reasons.most_common())}); {str(e)[:300]}")
             return
         finally:
             link.close()
