@@ -161,3 +161,17 @@ def test_a_quorum_flips_when_a_whole_process_dies_mid_staging(hosts):
         after = fleet.refit(link, big(22), version=22, checks=Checks(verify=True))
         assert len(after.workers) == len(shims) - len(victims)
         link.close()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--engine", "vllm"], "the vllm engine receives through its own workers' ranks"),
+    (["--metrics-address", "0"], "no per-process endpoint yet"),
+])
+def test_a_shim_of_several_engines_refuses_what_cannot_share_a_process(flags, says):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "refit_grpc.cli", "shim", "--engines", "2",
+                           "--address", "127.0.0.1:0", *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and says in proc.stderr, (proc.returncode, proc.stderr[-2000:])
