@@ -225,7 +225,10 @@ class StagedRound(RoundParts):
             alive = isinstance(answer, pb.DescribeResponse) \
                 and answer.instance_id == (m.joined_as or answer.instance_id) \
                 and answer.state != pb.SHIM_STATE_BROKEN
-            if alive and explained_by_abort(f):
+            # UNRESPONSIVE (no answer to Abort in time, its stream then cancelled by the
+            # driver) that answers this probe was slow, not frozen: at 1,000 simulated engines
+            # whole shim processes tearing down 50 receives each missed Abort's second.
+            if alive and (explained_by_abort(f) or f.reason == Reason.UNRESPONSIVE):
                 retry.append(m)
             else:
                 behind[m] = f if alive or not isinstance(answer, WorkerFailure) else answer
