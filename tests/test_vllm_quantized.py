@@ -36,7 +36,12 @@ from vllm_support.servers import module_pool
 
 require_vllm()
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
+# vLLM CPU's only int8 MoE kernel (CPUExpertsInt8) needs AMX tiles: on a CPU without them the
+# engine does not start ("No Int8 MoE backend supports the deployment configuration").
+_AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine,
+              pytest.mark.skipif(not _AMX, reason="needs a CPU with AMX tiles: vLLM CPU's int8 "
+                                 "MoE kernel (CPUExpertsInt8) runs only there")]
 
 from refit_grpc import FleetError  # noqa: E402
 from refit_grpc.integrations.quantization import INT8_MOE  # noqa: E402
