@@ -167,22 +167,33 @@ class Trainer:
         self.refs = self.channel.update_weights(version)
         return self.refs
 
-    def broadcast_killing(self, version: int, pid: int) -> str:
-        """Broadcast; SIGKILL worker `pid` once the first bucket is on the wire."""
+    def broadcast_killing(self, version: int, pid: int) -> tuple[str, float | None]:
+        """Broadcast; SIGKILL worker `pid` once the first bucket is on the wire.
+
+        Returns:
+            How the sender ended, and how long after the kill the epoch failed in this process
+            (its deadline's cancel flag, set at the first worker failure), None if it did not
+            within 10 s.
+        """
         from refit_grpc.collective import Sender
         from refit_grpc.errors import RefitError
+
+        killed_at: list[float] = []
 
         def kill_after_first(bucket) -> None:
             if bucket.index == 0:
                 os.kill(pid, signal.SIGKILL)
+                killed_at.append(time.monotonic())
 
+        deadline = self.channel.send_deadline()
         try:
-            Sender(self.group, self.channel.plan).send(tensors_v(version),
-                                                       self.channel.send_deadline(),
+            Sender(self.group, self.channel.plan).send(tensors_v(version), deadline,
                                                        on_bucket=kill_after_first)
+            how = "sender finished"
         except RefitError as e:
-            return f"sender stopped: {e.reason}"
-        return "sender finished"
+            how = f"sender stopped: {e.reason}"
+        failed = deadline.cancel.wait(10)
+        return how, (time.monotonic() - killed_at[0]) if failed and killed_at else None
 
     def client_copy(self) -> DynamoRefitChannel:
         return self.channel.client_copy()
@@ -364,7 +375,12 @@ def test_worker_killed_mid_epoch_fails_the_refs_with_the_typed_error(ray_cluster
     refs = ray.get(trainer.open_epoch.remote(), timeout=GET_S)
     assert len(refs) == 3
     t0 = time.monotonic()
-    sender = ray.get(trainer.broadcast_killing.remote(2, shims[1].pid), timeout=GET_S)
+    sender, failed_after_s = ray.get(trainer.broadcast_killing.remote(2, shims[1].pid),
+                                     timeout=GET_S)
+    # What refit_grpc decides: the epoch fails within seconds of the kill (its deadline is 30 s).
+    assert failed_after_s is not None and failed_after_s < 10, failed_after_s
+    timeline = [f"epoch failed {failed_after_s:.2f}s after the kill",
+                f"sender returned at {time.monotonic() - t0:.1f}s"]
     # The killed worker's ref fails, naming it. A survivor's ref fails too, naming the killed
     # worker first, unless every byte of version 2 had already reached it: the kill comes after
     # the first bucket, and the later (small) buckets can sit in the loopback socket buffers
@@ -375,6 +391,7 @@ def test_worker_killed_mid_epoch_fails_the_refs_with_the_typed_error(ray_cluster
         try:
             resolved = ray.get(ref, timeout=GET_S)
         except RayTaskError as e:
+            timeline.append(f"w{i}'s ref failed at {time.monotonic() - t0:.1f}s")
             cause = e.cause
             assert isinstance(cause, EpochFailedError) and isinstance(e, EpochFailedError)
             # Root cause first: the killed worker, by its instance id.
@@ -387,8 +404,12 @@ def test_worker_killed_mid_epoch_fails_the_refs_with_the_typed_error(ray_cluster
         outcomes[f"w{i}"] = "completed"
     assert outcomes["w1"] == "failed"
     elapsed = time.monotonic() - t0
-    print(f"\nRAY: worker killed mid-broadcast ({sender}); refs after {elapsed:.1f}s: {outcomes}")
-    assert elapsed < 20, "the refs must fail fast, not at the 30 s epoch deadline"
+    print(f"\nRAY: worker killed mid-broadcast ({sender}); refs after {elapsed:.1f}s: {outcomes}"
+          f" ({', '.join(timeline)})")
+    # Ray delivers each ref's error (a task on the channel's outcomes actor): about 1.5 s here
+    # alone, and up to 21 s once in CI beside three other test processes on two cores. Bounded by
+    # the epoch deadline, not asserted tighter: Ray's delivery under load is not refit_grpc's.
+    assert elapsed < 30, f"the refs must fail before the 30 s epoch deadline: {timeline}"
     assert shims[1].proc.wait(10) == -signal.SIGKILL
     # No survivor serves part of version 2: one that received some of it is BROKEN and stays
     # paused; one that received none still holds version 1, intact; one that completed holds

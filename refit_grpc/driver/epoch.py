@@ -96,8 +96,8 @@ class EpochHandle:
         self._committed: list[pb.UpdateWeightsResponse | None] = [None] * n
         self._failures: list[WorkerFailure | None] = [None] * n
         self._failure_order: list[int] = []  # worker indexes, in the order their failures came
-        # Counted, so a waiter wakes once when all are in (or at a failure), not at each of a
-        # thousand engines' messages to scan them all again.
+        # Counted, so a waiter wakes at a stream's end or a failure and checks in O(1), not at
+        # each of a thousand engines' messages to scan them all again.
         self._done = [False] * n
         self._done_count = 0
         self._accepted_count = 0
@@ -373,8 +373,9 @@ class EpochHandle:
                     self.failed.set()
                 self._done[i] = True
                 self._done_count += 1
-                if failure is not None or self._done_count == len(self._workers):
-                    self._changed.notify_all()
+                # Every end wakes the waiters (one wake per stream, each check O(1)): `_settle`
+                # after an abort waits for streams that may end well, not only for failures.
+                self._changed.notify_all()
 
     def _failures_so_far(self) -> list[tuple[int, WorkerFailure]]:
         """(worker index, failure) in the order the failures came; a worker that did not even
