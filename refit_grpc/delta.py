@@ -148,7 +148,7 @@ def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base
         tensors: the new weights.
         base: the last version sent, the plan's bytes back to back; updated in place.
         deadline: bounds every broadcast.
-        on_bucket: given each bucket and its new bytes (the staged digest's CRC).
+        on_bucket: given each bucket and its new bytes (the staged digest's checksum).
 
     Returns:
         What crossed.

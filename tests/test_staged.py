@@ -23,7 +23,7 @@ from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.metrics import _StateCollector
 from refit_grpc.shim.service import ShimConfig
-from refit_grpc.staging import StagedDigest, staged_digest
+from refit_grpc.staging import STAGED_CHECKSUM, StagedDigest, staged_digest
 
 from support import Epoch, InProcessShim, join, prepare_request, start_ready_shim, tensors_v
 
@@ -223,8 +223,17 @@ def test_bad_staged_requests_are_refused_before_accepted(ready):
         request = pb.UpdateWeightsRequest(**base, **fields)
         assert refusal(lambda r=request: list(stub.UpdateWeights(r, timeout=5))) == \
             (grpc.StatusCode.INVALID_ARGUMENT, expected)
+    # A driver whose staged digest uses another checksum (an older release's CRC-32): refused
+    # before any byte moves, naming both, instead of a digest that cannot match at the Flip.
+    request = pb.UpdateWeightsRequest(**base, mode=pb.EPOCH_MODE_STAGED, staged_checksum="crc32")
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.UpdateWeights(request, timeout=5))
+    assert (e.value.code(), reason(e.value)) == \
+        (grpc.StatusCode.FAILED_PRECONDITION, "STAGING_UNSUPPORTED")
+    assert "'crc32'" in e.value.details() and f"'{STAGED_CHECKSUM}'" in e.value.details()
     d = ready.shim.describe()
     assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, 1)
+    assert d.staged_checksum == STAGED_CHECKSUM == "xxh3-64"
 
 
 def test_the_model_keeps_generating_while_staging_and_the_canary_runs_at_the_flip():

@@ -20,6 +20,7 @@ from refit_grpc.driver.membership import Membership, links
 from refit_grpc.driver.options import Epoch, Staged
 from refit_grpc.plan import RefitPlan
 from refit_grpc.proto import EPOCH_MODE_TO_PROTO, PAUSE_MODE_TO_PROTO, pb
+from refit_grpc.staging import STAGED_CHECKSUM
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class Epochs:
             flip_timeout_s=self.config.flip_timeout_s if staged else 0.0,
             delta_base_version=delta_base.version if delta_base else 0,
             delta_base_digest=delta_base.staged_digest if delta_base else "",
-            reversible=isinstance(epoch, Staged) and epoch.reversible)
+            reversible=isinstance(epoch, Staged) and epoch.reversible,
+            staged_checksum=STAGED_CHECKSUM if staged else "")
             for m in group]
         handle = EpochHandle(links(group), version, requests, self.config.epoch_timeout_s,
                              self.formation.abort_epoch, on_progress, io=self.calls.io,

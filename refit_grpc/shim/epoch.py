@@ -33,6 +33,7 @@ from refit_grpc.shim.fields import (
     pause_mode,
 )
 from refit_grpc.shim.receive import Epoch, EpochReceive, Received
+from refit_grpc.staging import STAGED_CHECKSUM
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,13 @@ def epoch_from_request(core: ShimCore, request: pb.UpdateWeightsRequest,
     if staged and not engine.capabilities.staging:
         raise FailedPreconditionError(
             f"the {engine.kind} engine cannot stage an epoch; open it IN_PLACE",
+            reason=Reason.STAGING_UNSUPPORTED)
+    if staged and request.staged_checksum and request.staged_checksum != STAGED_CHECKSUM:
+        # Bytes staged under another checksum could never match the driver's digest at the
+        # Flip: refused before any byte moves (a driver and shims of different releases).
+        raise FailedPreconditionError(
+            f"the driver's staged digest uses checksum {request.staged_checksum!r}, this shim's "
+            f"{STAGED_CHECKSUM!r}: run one refit_grpc release on both ends",
             reason=Reason.STAGING_UNSUPPORTED)
     delta = bool(request.delta_base_version or request.delta_base_digest)
     if delta:

@@ -42,6 +42,7 @@ from refit_grpc.shim.fields import (
     printable,
 )
 from refit_grpc.shim.status import status_on_error
+from refit_grpc.staging import STAGED_CHECKSUM
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     previous_copy_digest=previous[1] if previous else "",
                     quantization=self.engine.quantization,
                     shared_rank=self.engine.shared_rank,
+                    staged_checksum=STAGED_CHECKSUM,
                     adapters=[pb.AdapterVersion(name=name, version=version)
                               for name, version in sorted(self.engine.adapters.items())])
 

@@ -7,7 +7,7 @@ staged epoch instead starts the receive on a thread of its own (`StagedReceive.s
 RPC) and returns; the worker's main thread goes back to its engine loop, and the shim polls
 `status` (another short RPC) until every bucket has landed. The bytes land in a
 `refit_grpc.staging.StagingCopy` in plan layout (each bucket received in place, no bucket
-buffers), each bucket's CRC-32 is folded into the staged digest as it lands, and the live weights
+buffers), each bucket's checksum is folded into the staged digest as it lands, and the live weights
 are not touched: loading the copy is the flip's job (`LayerwiseReceiver`, `source="staged"`).
 
 The committed copy: the flip loads the copy into the model and leaves it as it was, so once the
