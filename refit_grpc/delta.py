@@ -153,7 +153,7 @@ def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base
     Returns:
         What crossed.
     """
-    from refit_grpc.collective import copy_bytes, pack_into
+    from refit_grpc.collective import pack_into
 
     biggest = max(b.nbytes for b in plan.buckets)
     slots = max(1, min(plan.packing.num_buffers, len(plan.buckets)))
@@ -177,7 +177,10 @@ def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base
         in_flight[k] = [group.broadcast_async(headers[k], deadline),
                         group.broadcast_async(payload, deadline)]
         on_bucket(b, new)
-        copy_bytes(old, new)  # the next epoch's base: only read here, by this thread
+        # The next epoch's base, by the engines' own `apply`: a sparse bucket writes only its
+        # changed words (a copy of the whole bucket read and wrote every byte again: 0.19 s of
+        # the 1.9 s a 1%-changed GiB cost the trainer); the payload is only read here.
+        apply(encoding, payload, old)
         wire += payload.numel() + HEADER_WORDS * 8
         sparse += encoding is Encoding.SPARSE
         changed_total += max(changed, 0)
