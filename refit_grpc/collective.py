@@ -786,13 +786,18 @@ def receive(group: ReceivingGroup, plan: RefitPlan, deadline: Deadline,
         op, buf, landed = pending.pop(b.index)
         op.wait(deadline, f"receive of bucket {b.index}/{len(buckets)}")
         deadline.check(f"apply of bucket {b.index}")
+        later = b.index + window
+        if landed and later < len(buckets):
+            # This bucket holds no slot (its bytes are where they belong): the receive that
+            # takes its place in the window goes out before its checksum, not after.
+            post(later)
         if not landed:
             apply(b, unpack(buf, plan.tensors[b.start:b.stop]))
         if on_bucket:
             on_bucket(b)
         reported = True
-        if b.index + window < len(buckets):
-            post(b.index + window)
+        if not landed and later < len(buckets):
+            post(later)
     return TransferStats(len(buckets), plan.total_bytes, time.monotonic() - t0)
 
 
