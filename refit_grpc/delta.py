@@ -19,8 +19,10 @@ result is computed over the whole bucket as in a full epoch, so it equals a full
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +39,13 @@ _BREAK_EVEN = _WORD_BYTES / (_INDEX_BYTES + _WORD_BYTES)
 # well past the break-even goes raw at the cost of a sample (the fallback must cost nothing
 # next to a full epoch), and one near it is compared whole, which decides exactly.
 _SAMPLE_STRIDE = 97
+# The sender compares a bucket of at least _SPLIT_BYTES in this many parts at once: two, the cores
+# a trainer's sender can take beside gloo's own thread without starving it (a delta epoch moves
+# few bytes; its CPU is the compare).
+_COMPARE_THREADS = 2
+_SPLIT_BYTES = 1 << 20
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 
 
 class Encoding(enum.IntEnum):
@@ -81,7 +90,7 @@ def encode(new: torch.Tensor, base: torch.Tensor, scratch: torch.Tensor
         sampled = np.count_nonzero(a16[::_SAMPLE_STRIDE] != b16[::_SAMPLE_STRIDE])
         if sampled > 1.5 * _BREAK_EVEN * len(range(0, a16.size, _SAMPLE_STRIDE)):
             return Encoding.RAW, new, -1
-    changed = _changed_words(a, b)
+    changed = _changed_words_split(a, b)
     k = changed.size
     if k * (_INDEX_BYTES + _WORD_BYTES) >= n:
         return Encoding.RAW, new, k
@@ -90,6 +99,31 @@ def encode(new: torch.Tensor, base: torch.Tensor, scratch: torch.Tensor
     out[:k * _INDEX_BYTES].view(np.int32)[:] = changed
     out[k * _INDEX_BYTES:].view(np.int16)[:] = a16[changed]
     return Encoding.SPARSE, payload, k
+
+
+def _changed_words_split(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`_changed_words` of a large bucket in `_COMPARE_THREADS` parts at once (numpy releases the
+    GIL): the compare is most of a delta epoch's CPU (measured on a 64 MiB bucket at 1% changed:
+    0.86-1.04 s/GiB on one thread, 0.39-0.47 on two)."""
+    parts = _COMPARE_THREADS if a.size >= _SPLIT_BYTES else 1
+    if parts == 1:
+        return _changed_words(a, b)
+    # Part boundaries on 8-byte blocks, so no word straddles two parts.
+    cuts = [0] + [(a.size * i // parts) & ~7 for i in range(1, parts)] + [a.size]
+    pool = _compare_pool()
+    futures = [pool.submit(_changed_words, a[lo:hi], b[lo:hi])
+               for lo, hi in zip(cuts[1:-1], cuts[2:])]
+    found = [_changed_words(a[:cuts[1]], b[:cuts[1]])]
+    found += [f.result() + lo // _WORD_BYTES for f, lo in zip(futures, cuts[1:-1])]
+    return np.concatenate(found)
+
+
+def _compare_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(_COMPARE_THREADS - 1, thread_name_prefix="delta-compare")
+        return _POOL
 
 
 def _changed_words(a: np.ndarray, b: np.ndarray) -> np.ndarray:

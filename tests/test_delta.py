@@ -6,11 +6,12 @@ digest are the trainer's base (docs/protocol.md, invariant 11)."""
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
 from refit_grpc import Checks, Fleet, Packing, Staged
-from refit_grpc.delta import Encoding, apply, encode
+from refit_grpc.delta import Encoding, _changed_words, _changed_words_split, apply, encode
 from refit_grpc.driver.endpoint import WorkerEndpoint as Endpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.plan import RefitPlan, weights_digest
@@ -19,6 +20,23 @@ from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.service import ShimConfig
 
 from support import InProcessShim, connected, endpoints
+
+
+@pytest.mark.parametrize("nbytes", [(1 << 20) + 2, (3 << 20) + 6, 8 << 20])
+def test_a_large_bucket_compared_in_parts_finds_exactly_the_changed_words(nbytes):
+    # Parts meet on 8-byte blocks; changes at the first word, the last word and the cuts.
+    g = torch.Generator().manual_seed(nbytes)
+    base = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    new = base.clone()
+    words = new.view(torch.int16)
+    cut = (nbytes // 2 & ~7) // 2  # the first word of the second part
+    edges = [0, words.numel() - 1, cut - 1, cut]
+    picked = torch.cat([torch.tensor(edges),
+                        torch.randint(0, words.numel(), (nbytes // 500,), generator=g)])
+    words[picked] += 1
+    want = torch.unique(picked).numpy()
+    assert np.array_equal(_changed_words(new.numpy(), base.numpy()), want)
+    assert np.array_equal(_changed_words_split(new.numpy(), base.numpy()), want)
 
 
 def test_the_codec_round_trips_and_falls_back_to_raw():
