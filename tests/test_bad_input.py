@@ -48,6 +48,7 @@ from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.fields import plan_from_request
 from refit_grpc.shim.server import ServerOptions, ShimServer
 from refit_grpc.shim.service import ShimConfig
+from refit_grpc.staging import STAGED_CHECKSUM
 from refit_grpc.testing.ports import unused_port
 
 from support import join, prepare_request, tensors_v
@@ -332,6 +333,8 @@ def test_update_weights(rig):
         "delta_base_version": st.one_of(bad_version.filter(bool), st.integers(2, MAX_VERSION)),
         "delta_base_digest": st.one_of(bad_digest_shape, other_digest.filter(
             lambda d: d and d != rig.copy_digest)),  # "" with no base version: a full epoch
+        # Another checksum than the shim's (empty: not checked).
+        "staged_checksum": st.text(min_size=1).filter(lambda c: c != STAGED_CHECKSUM),
     }
 
     @SETTINGS

@@ -67,7 +67,7 @@ def epoch_from_request(core: ShimCore, request: pb.UpdateWeightsRequest,
         # Bytes staged under another checksum could never match the driver's digest at the
         # Flip: refused before any byte moves (a driver and shims of different releases).
         raise FailedPreconditionError(
-            f"the driver's staged digest uses checksum {request.staged_checksum!r}, this shim's "
+            f"the driver's staged digest uses checksum {request.staged_checksum[:64]!r}, this shim's "
             f"{STAGED_CHECKSUM!r}: run one refit_grpc release on both ends",
             reason=Reason.STAGING_UNSUPPORTED)
     delta = bool(request.delta_base_version or request.delta_base_digest)
