@@ -17,10 +17,10 @@ that copy into its live weights only at the flip. This module is the one definit
   (SHA-256 of the weights) is the exact check. Why XXH3 and not zlib's CRC-32 (the checksum
   until 2026-12): both ends checksum every byte of a staged epoch on the cores that also move
   it, and on the 2-core test machine XXH3-64 runs at about 10.5 GiB/s on one core against
-  3.6 GiB/s for CRC-32 (the GIL released by both: two threads double either); it is 64 bits
-  wide. The checksum's name is in the digest's preamble and in Describe (`staged_checksum`), so
-  digests of two checksums never compare equal and a driver can refuse an engine that computes
-  another (docs/protocol.md, "Staged digest").
+  3.6 GiB/s for CRC-32 (both release the GIL; XXH3 on two threads: 19.8 GiB/s); it is 64 bits
+  wide. The checksum's name is in the digest's preamble, so digests of two checksums never
+  compare equal; Describe says it (`staged_checksum`), and a shim refuses a staged epoch whose
+  driver names another (`UpdateWeightsRequest.staged_checksum`; docs/protocol.md, invariant 9).
 
 The reference engine and the vLLM worker extension both use these (the latter in vLLM's worker
 processes), so the digest is computed one way everywhere.

@@ -228,9 +228,9 @@ class PeakRss:
 # shims' peak is measured before any staged copy exists (a staged epoch keeps one).
 # Uncounted epochs before the counted one, per arm (1 where not named). A staged epoch is
 # reversible by default: the first on fresh shims makes the committed copy, the second sets it
-# aside as the previous one and lands in a second copy (allocated then, 1 GiB of first touches
-# inside the epoch: a 1 GiB staged epoch measured 1.42 s so, against 0.35 s for the floor), and
-# from the third on the two swap. The steady state a trainer sees is the third.
+# aside as the previous one and lands in a second copy (allocated then: 1 GiB of first touches
+# inside the epoch, which counted so took 1.42 s against the floor's 0.35 s), and from the third
+# on the two swap. The steady state a trainer sees is the third.
 WARM_UPS = {"staged": 2}
 SETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bare receivers", BARE),
