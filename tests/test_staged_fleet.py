@@ -15,8 +15,18 @@ import time
 
 import pytest
 
-from refit_grpc import Checks, EpochMode, Fleet, Packing, QuorumError, Staged, WorkerEndpoint
+from refit_grpc import (
+    Checks,
+    EpochMode,
+    Fleet,
+    FleetState,
+    Packing,
+    QuorumError,
+    Staged,
+    WorkerEndpoint,
+)
 from refit_grpc.cli.fleet import render_status, status_rows
+from refit_grpc.errors import InternalError
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.base import Capabilities
 from refit_grpc.shim.engines.reference import ReferenceEngine
@@ -283,6 +293,47 @@ def test_a_refusal_leaves_only_the_refusing_engine_behind():
             assert not shims[1].describe().paused
             # The next epoch runs on the two without the trainer doing anything else.
             report = fleet.refit(link, weights(2, mib=1), epoch=Staged())
+            assert [w.instance_id for w in report.workers] == ["s0", "s2"]
+    finally:
+        for s in shims:
+            s.close()
+
+
+class FailsOnceStaged(ReferenceEngine):
+    """Lands every byte, then fails its staging (a lost copy, once the other engines staged
+    theirs): the round fails after everyone else staged, so no engine is left to re-form the
+    group for and the epoch's abort ends it."""
+
+    def stage(self, plan, deadline, on_bucket, delta=False, keep_previous=False) -> str:
+        super().stage(plan, deadline, on_bucket, delta, keep_previous)
+        time.sleep(0.5)  # the others' STAGED reach the trainer first
+        raise InternalError("the staging copy was lost (the test's fault)")
+
+
+def test_a_quorum_flipped_with_its_group_gone_lets_the_next_refit_form_it_again():
+    """Found in CI at 160 engines (a whole process SIGKILLed as its bytes landed): every
+    survivor had staged, so nothing re-formed the group the epoch's abort ended, and the next
+    refit() raised FLEET_NOT_CONNECTED. It forms the group again, as after any membership
+    change."""
+    shims = [InProcessShim(engine, ShimConfig(max_epoch_s=20))
+             for engine in (ReferenceEngine(model=None), FailsOnceStaged(model=None),
+                            ReferenceEngine(model=None))]
+    try:
+        fleet = Fleet(endpoints(shims, "s"), packing=Packing(1 << 16, 2), epoch_timeout_s=20)
+        with fleet:
+            link = connected(fleet, weights(1, mib=1))
+            report = fleet.refit(link, weights(1, mib=1), epoch=Staged(min_engines=2))
+            assert [(f.instance_id, f.reason) for f in report.left_behind] == \
+                [("s1", "INTERNAL_ERROR")], report.left_behind
+            assert report.reforms == 0  # nobody was left to send to again
+            assert [s.describe().weight_version for s in shims] == [1, 0, 1]
+            report = fleet.refit(link, weights(2, mib=1), epoch=Staged(),
+                                 checks=Checks(verify=True))
+            assert [w.instance_id for w in report.workers] == ["s0", "s2"]
+            assert {w.weights_digest for w in report.workers} == {digest_of(weights(2, mib=1))}
+            assert fleet.state is FleetState.CONNECTED
+            # And an in-place epoch after it, the same way.
+            report = fleet.refit(link, weights(3, mib=1), checks=Checks(verify=True))
             assert [w.instance_id for w in report.workers] == ["s0", "s2"]
     finally:
         for s in shims:

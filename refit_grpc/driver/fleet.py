@@ -322,7 +322,8 @@ class Fleet:
         Raises:
             InvalidArgumentError: tensors that do not match the plan (before any shim pauses),
                 a bad `epoch` or `min_engines` (INVALID_MIN_ENGINES).
-            FleetStateError: not CONNECTED.
+            FleetStateError: not CONNECTED (after a staged epoch that flipped, a gloo link's
+                group is formed again, even when that epoch's abort ended it).
             EpochRefusedError: in place: refused before any byte moved (`MembershipRefusedError`:
                 every refusal MEMBERSHIP_CHANGED); the group is dropped.
             EpochFailedError: in place: failed mid-broadcast; the fleet is aborted.
@@ -338,12 +339,16 @@ class Fleet:
         link.sender.check_tensors(tensors)  # refuse bad input before any shim pauses
         self.catch_ups.settle()
         gone: dict[Member, WorkerFailure] = {}
-        if self.state is FleetState.CONNECTED and not self.membership.group_is_members():
-            # Members changed (added, removed, left behind, caught up): the group is formed
-            # again of the members (the trainer calls nothing else; only the gloo link can). A
-            # staged epoch leaves behind the members that cannot take part any more.
+        owed = self.formation.owes_reform(link)
+        if owed or (self.state is FleetState.CONNECTED
+                    and not self.membership.group_is_members()):
+            # Members changed (added, removed, left behind, caught up), or the last staged
+            # epoch flipped with its group gone: the group is formed again of the members (the
+            # trainer calls nothing else; only the gloo link can). A staged epoch leaves
+            # behind the members that cannot take part any more.
             gone = self.formation.reform(link, self.membership.members,
-                                         self._plan_for("refit()", _CONNECTED),
+                                         self._plan_for("refit()", _PREPARED if owed
+                                                        else _CONNECTED),
                                          leave_behind=isinstance(epoch, Staged))
         plan = self._plan_for("refit()", _CONNECTED)
         if isinstance(epoch, Staged):

@@ -94,6 +94,10 @@ class GroupFormation:
         self.calls = calls
         self.membership = membership
         self.group_id: str | None = None  # the formed group's name; None: no group
+        # A staged epoch that flipped its quorum can end with its group gone: its last round
+        # aborted after every engine still in it had staged, so nothing re-formed it. The
+        # fleet is not done with that group: the next refit() forms it again (`owes_reform`).
+        self.reform_owed = False
         self.last_layout: RankLayout | None = None  # the ranks the last Describe round found
 
     def ranks(self, members: Sequence[Member]) -> RankLayout:
@@ -158,6 +162,7 @@ class GroupFormation:
             plan_digest=plan.digest) for offset in layout.offsets]
         futures = self.calls.join(shims, requests)
         self.group_id = group_id
+        self.reform_owed = False
         self.membership.formed(members, layout.instances)
         return futures
 
@@ -243,6 +248,11 @@ class GroupFormation:
         assert isinstance(fresh, GlooLink)
         link.adopt(fresh)
         return failed
+
+    def owes_reform(self, link: TrainerLink) -> bool:
+        """The last staged epoch flipped with its group gone (`reform_owed`) and `link` can
+        form it again (gloo): `Fleet.refit()` re-forms before its epoch instead of refusing."""
+        return self.reform_owed and isinstance(link, GlooLink)
 
     def drop(self) -> None:
         """The data group is gone (an epoch gave up, or a formation failed): the shims tore

@@ -128,6 +128,12 @@ class StagedRound(RoundParts):
             base = None  # a failed round spent the base (engines' and the trainer's): full
         assert run.digest is not None
         report = self._finish(run, plan, required, pause_mode, checks, epoch)
+        if self.formation.group_id is None:
+            # The last round aborted after every engine left in it had staged (none to
+            # re-form it for): the fleet goes on, and the next refit() forms the group again
+            # of the members, as after any membership change. (Measured in CI at 160 engines:
+            # a whole process SIGKILLed as its bytes landed.)
+            self.formation.reform_owed = True
         if epoch.delta:
             # The next delta's base: what every engine that flipped now holds.
             flat = base.flat if base is not None else flat_copy(plan, tensors)
