@@ -44,6 +44,7 @@ _SAMPLE_STRIDE = 97
 # few bytes; its CPU is the compare).
 _COMPARE_THREADS = 2
 _SPLIT_BYTES = 1 << 20
+_CHUNK_BLOCKS = 1 << 18  # 8-byte blocks compared per step: 2 MiB of each array
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -128,16 +129,23 @@ def _compare_pool() -> ThreadPoolExecutor:
 
 def _changed_words(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Indexes of the 16-bit words that differ between two byte arrays of even length: 8 bytes
-    compared at a time, then the 4 words of each differing block."""
+    compared at a time, then the nonzero 16-bit lanes of each differing block's XOR, in chunks
+    of `_CHUNK_BLOCKS` blocks (the temporaries stay in cache). Gathering the 4 candidate words
+    of each differing block from both arrays instead, over the whole array, cost 0.39 against
+    0.32 s/GiB at 1% of the words changed, 0.89 against 0.59 at 5% (one core, here)."""
     head = a.size - a.size % 8
-    blocks = np.flatnonzero(a[:head].view(np.int64) != b[:head].view(np.int64))
-    a16, b16 = a.view(np.int16), b.view(np.int16)
-    candidates = (blocks[:, None] * 4 + np.arange(4)).ravel()
-    changed = candidates[a16[candidates] != b16[candidates]]
+    a64, b64 = a[:head].view(np.int64), b[:head].view(np.int64)
+    found = []
+    for lo in range(0, a64.size, _CHUNK_BLOCKS):
+        x, y = a64[lo:lo + _CHUNK_BLOCKS], b64[lo:lo + _CHUNK_BLOCKS]
+        blocks = np.flatnonzero(x != y)
+        lanes = np.flatnonzero((x[blocks] ^ y[blocks]).view(np.uint16) != 0)
+        found.append((blocks[lanes >> 2] + lo) * 4 + (lanes & 3))
     if head < a.size:  # the last 1-3 words
+        a16, b16 = a.view(np.int16), b.view(np.int16)
         tail = np.arange(head // 2, a.size // 2)
-        changed = np.concatenate([changed, tail[a16[tail] != b16[tail]]])
-    return changed
+        found.append(tail[a16[tail] != b16[tail]])
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
 def apply(encoding: Encoding, payload: torch.Tensor, target: torch.Tensor) -> None:

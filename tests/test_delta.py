@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from refit_grpc import Checks, Fleet, Packing, Staged
-from refit_grpc.delta import Encoding, apply, encode
+from refit_grpc.delta import _CHUNK_BLOCKS, Encoding, apply, encode
 from refit_grpc.driver.endpoint import WorkerEndpoint as Endpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.plan import RefitPlan, weights_digest
@@ -24,13 +24,16 @@ from support import InProcessShim, connected, endpoints
 
 @pytest.mark.parametrize("nbytes", [(1 << 20) + 2, (3 << 20) + 6, 8 << 20])
 def test_a_large_bucket_compared_in_parts_finds_exactly_the_changed_words(nbytes):
-    # Parts meet on 8-byte blocks; changes at the first word, the last word and the cuts.
+    # Parts meet on 8-byte blocks, each part compared in chunks of _CHUNK_BLOCKS blocks;
+    # changes at the first word, the last word, the cuts and the chunks' edges.
     g = torch.Generator().manual_seed(nbytes)
     base = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
     new = base.clone()
     words = new.view(torch.int16)
     cut = (nbytes // 2 & ~7) // 2  # the first word of the second part
+    chunk = 4 * _CHUNK_BLOCKS  # words per chunk
     edges = [0, words.numel() - 1, cut - 1, cut]
+    edges += [w for w in (chunk - 1, chunk, cut + chunk - 1, cut + chunk) if w < words.numel()]
     picked = torch.cat([torch.tensor(edges),
                         torch.randint(0, words.numel(), (nbytes // 500,), generator=g)])
     words[picked] += 1
