@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -100,6 +100,105 @@ def encode(new: torch.Tensor, base: torch.Tensor, scratch: torch.Tensor
     out[:k * _INDEX_BYTES].view(np.int32)[:] = changed
     out[k * _INDEX_BYTES:].view(np.int16)[:] = a16[changed]
     return Encoding.SPARSE, payload, k
+
+
+def encode_tensors(tensors: Sequence[torch.Tensor], base: torch.Tensor, packed: torch.Tensor,
+                   scratch: torch.Tensor) -> tuple[Encoding, torch.Tensor, int]:
+    """One bucket's payload straight from its tensors, as `encode` would make it from their
+    packed bytes: each tensor is compared where it lies against its bytes in `base`, so a bucket
+    that goes sparse is never packed (the pack was 0.14-0.32 s/GiB of a delta epoch's CPU, one
+    core). A bucket that goes raw, or whose tensors cannot be compared in place (not on the CPU,
+    not contiguous, an odd number of bytes), is packed into `packed` and encoded from there.
+
+    Args:
+        tensors: the bucket's tensors, in plan order.
+        base: the same bucket of the version the engines hold.
+        packed: room for the packed bucket.
+        scratch: room for the payload, at least the bucket's bytes.
+
+    Returns:
+        (encoding, payload (a view of `scratch`, or of `packed` when raw), changed words).
+    """
+    from refit_grpc.collective import pack_into
+
+    views = _in_place_views(tensors)
+    n = base.numel()
+    if views is None or n % _WORD_BYTES:
+        return encode(pack_into(packed, tensors), base, scratch)
+    b = base.numpy()
+    pieces, offset = [], 0
+    for v in views:
+        pieces.append((v, b[offset:offset + v.size], offset // _WORD_BYTES))
+        offset += v.size
+    if n >= 64 * _SAMPLE_STRIDE * _WORD_BYTES:
+        sampled = sum(np.count_nonzero(v.view(np.int16)[::_SAMPLE_STRIDE]
+                                       != w.view(np.int16)[::_SAMPLE_STRIDE])
+                      for v, w, _ in pieces)
+        samples = sum(len(range(0, v.size // _WORD_BYTES, _SAMPLE_STRIDE)) for v in views)
+        if sampled > 1.5 * _BREAK_EVEN * samples:
+            return Encoding.RAW, pack_into(packed, tensors), -1
+    indexes, values = _changed_pieces_split(pieces, n)
+    k = indexes.size
+    if k * (_INDEX_BYTES + _WORD_BYTES) >= n:
+        return Encoding.RAW, pack_into(packed, tensors), k
+    payload = scratch[:k * (_INDEX_BYTES + _WORD_BYTES)]
+    out = payload.numpy()
+    out[:k * _INDEX_BYTES].view(np.int32)[:] = indexes
+    out[k * _INDEX_BYTES:].view(np.int16)[:] = values
+    return Encoding.SPARSE, payload, k
+
+
+def _in_place_views(tensors: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
+    """Each tensor's bytes as a numpy view of its own memory, or None where one cannot be
+    compared in place: off the CPU, not contiguous, or an odd number of bytes (the words after
+    it would straddle two tensors)."""
+    views = []
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.nbytes % _WORD_BYTES:
+            return None
+        views.append(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return views
+
+
+_Piece = tuple[np.ndarray, np.ndarray, int]  # new bytes, base bytes, the first word's index
+
+
+def _changed_pieces_split(pieces: list[_Piece], nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The changed words of a bucket given as pieces (their bucket indexes and new values), in
+    `_COMPARE_THREADS` parts at once for a bucket of at least `_SPLIT_BYTES`, as
+    `_changed_words_split` does for a packed one: the parts meet on an 8-byte block of the
+    bucket, cutting the piece that straddles it."""
+    if nbytes < _SPLIT_BYTES or _COMPARE_THREADS == 1:
+        return _changed_pieces(pieces)
+    cut = (nbytes // 2) & ~7
+    first: list[_Piece] = []
+    second: list[_Piece] = []
+    for v, w, word in pieces:
+        lo = word * _WORD_BYTES
+        if lo + v.size <= cut:
+            first.append((v, w, word))
+        elif lo >= cut:
+            second.append((v, w, word))
+        else:
+            m = cut - lo
+            first.append((v[:m], w[:m], word))
+            second.append((v[m:], w[m:], cut // _WORD_BYTES))
+    later = _compare_pool().submit(_changed_pieces, second)
+    indexes, values = _changed_pieces(first)
+    more_indexes, more_values = later.result()
+    return np.concatenate([indexes, more_indexes]), np.concatenate([values, more_values])
+
+
+def _changed_pieces(pieces: list[_Piece]) -> tuple[np.ndarray, np.ndarray]:
+    indexes, values = [], []
+    for v, w, word in pieces:
+        changed = _changed_words(v, w)
+        if changed.size:
+            indexes.append(changed + word)
+            values.append(v.view(np.int16)[changed])
+    if not indexes:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int16)
+    return np.concatenate(indexes), np.concatenate(values)
 
 
 def _changed_words_split(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -181,8 +280,9 @@ def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base
     """Trainer rank 0: every bucket as a delta against `base` (the last version sent, plan
     layout), which is updated to the new bytes as they go out.
 
-    Packing and encoding bucket i+1 overlap the broadcasts of bucket i (`num_buffers` buckets in
-    flight, as the full sender does).
+    Encoding bucket i+1 (`encode_tensors`: compared where the tensors lie, packed only when it
+    goes raw) overlaps the broadcasts of bucket i (`num_buffers` buckets in flight, as the full
+    sender does).
 
     Args:
         group: the data group (`collective.Group`), rank 0.
@@ -190,15 +290,14 @@ def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base
         tensors: the new weights.
         base: the last version sent, the plan's bytes back to back; updated in place.
         deadline: bounds every broadcast.
-        on_bucket: given each bucket and its new bytes (the staged digest's checksum); called
-            on a helper thread, one call at a time, in bucket order, and waited for before the
-            bytes' buffer is packed again and before this returns.
+        on_bucket: given each bucket and its new bytes (the staged digest's checksum), which
+            are `base`'s slice once updated; called on a helper thread, one call at a time, in
+            bucket order, and waited for before the bucket's slot is used again and before
+            this returns.
 
     Returns:
         What crossed.
     """
-    from refit_grpc.collective import pack_into
-
     biggest = max(b.nbytes for b in plan.buckets)
     slots = max(1, min(plan.packing.num_buffers, len(plan.buckets)))
     packed = [torch.empty(biggest, dtype=torch.uint8) for _ in range(slots)]
@@ -215,22 +314,23 @@ def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base
         last = checked[k]
         if last is not None:  # and its last checksum (raises what it raised)
             last.result()
-        new = pack_into(packed[k], [tensors[s.name].detach().cpu()
-                                    for s in plan.tensors[b.start:b.stop]])
         old = base[start:start + b.nbytes]
         t_enc = time.monotonic()
-        encoding, payload, changed = encode(new, old, scratch[k])
+        encoding, payload, changed = encode_tensors(
+            [tensors[s.name].detach().cpu() for s in plan.tensors[b.start:b.stop]], old,
+            packed[k], scratch[k])
         encode_s += time.monotonic() - t_enc
         headers[k].copy_(header(encoding, payload.numel()))
         in_flight[k] = [group.broadcast_async(headers[k], deadline),
                         group.broadcast_async(payload, deadline)]
-        # The checksum runs on the compare pool's thread while this one updates the base and
-        # packs the next bucket (both release the GIL); one at a time, in bucket order.
-        checked[k] = _compare_pool().submit(on_bucket, b, new)
         # The next epoch's base, by the engines' own `apply`: a sparse bucket writes only its
         # changed words (a copy of the whole bucket read and wrote every byte again: 0.19 s of
         # the 1.9 s a 1%-changed GiB cost the trainer); the payload is only read here.
         apply(encoding, payload, old)
+        # The base now holds the bucket's new bytes (a sparse bucket was never packed): its
+        # checksum runs on the compare pool's thread while this one encodes the next bucket;
+        # one at a time, in bucket order.
+        checked[k] = _compare_pool().submit(on_bucket, b, old)
         wire += payload.numel() + HEADER_WORDS * 8
         sparse += encoding is Encoding.SPARSE
         changed_total += max(changed, 0)

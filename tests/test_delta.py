@@ -46,6 +46,46 @@ def test_a_large_bucket_compared_in_parts_finds_exactly_the_changed_words(nbytes
     assert torch.equal(target, new)
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.002, 0.01, 0.1, 0.5])
+def test_a_bucket_compared_where_its_tensors_lie_encodes_as_its_packed_bytes(fraction):
+    """encode_tensors (the sender's path, no pack for a sparse bucket) gives exactly what encode
+    gives for the packed bucket: bf16, fp32 and a 1-element tensor, a bucket over _SPLIT_BYTES so
+    a tensor straddles the two parts, changes at every tensor's edges; raw past the break-even."""
+    from refit_grpc.collective import pack_into
+    from refit_grpc.delta import encode_tensors
+
+    g = torch.Generator().manual_seed(int(fraction * 1000))
+    old = [torch.randn(n, generator=g).to(dtype) for n, dtype in
+           ((300_001, torch.bfloat16), (1, torch.float32), (250_003, torch.float32),
+            (7, torch.bfloat16), (64, torch.float32))]
+    new = [t.clone() for t in old]
+    for t in new:
+        words = t.view(-1).view(torch.int16)
+        picked = torch.randint(0, words.numel(), (int(fraction * words.numel()),), generator=g)
+        words[torch.cat([picked, torch.tensor([0, words.numel() - 1])])] += 1
+    base = pack_into(torch.empty(sum(t.nbytes for t in old), dtype=torch.uint8), old)
+    assert base.numel() >= 1 << 20  # compared in two parts
+    want = encode(pack_into(torch.empty_like(base), new), base, torch.empty_like(base))
+    got = encode_tensors(new, base, torch.empty_like(base), torch.empty_like(base))
+    assert (got[0], got[2]) == (want[0], want[2])
+    assert torch.equal(got[1], want[1])
+    target = base.clone()
+    apply(got[0], got[1], target)
+    assert torch.equal(target, pack_into(torch.empty_like(base), new))
+    if fraction >= 0.5:
+        assert got[0] is Encoding.RAW
+    elif fraction <= 0.01:
+        assert got[0] is Encoding.SPARSE
+    # Tensors it cannot compare in place (one of an odd number of bytes, one not contiguous)
+    # are packed first, and encode the same.
+    odd = [torch.ones(3, dtype=torch.bool), new[0].view(-1)[::2]]
+    base_odd = pack_into(torch.empty(3 + odd[1].nbytes, dtype=torch.uint8),
+                         [torch.zeros(3, dtype=torch.bool), old[0].view(-1)[::2]])
+    want = encode(pack_into(torch.empty_like(base_odd), odd), base_odd, torch.empty_like(base_odd))
+    got = encode_tensors(odd, base_odd, torch.empty_like(base_odd), torch.empty_like(base_odd))
+    assert (got[0], got[2]) == (want[0], want[2]) and torch.equal(got[1], want[1])
+
+
 def test_the_codec_round_trips_and_falls_back_to_raw():
     g = torch.Generator().manual_seed(0)
     base = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
