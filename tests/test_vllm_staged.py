@@ -27,6 +27,8 @@ from __future__ import annotations
 import copy
 import http.client
 import json
+import secrets
+import signal
 import threading
 import time
 import urllib.parse
@@ -46,18 +48,20 @@ require_vllm()
 # The module's vLLM server starts with the first test (about a minute here).
 pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
-from refit_grpc import Checks, Fleet, Staged, WorkerEndpoint  # noqa: E402
+from refit_grpc import CatchUpError, Checks, Fleet, Staged, WorkerEndpoint  # noqa: E402
 from refit_grpc.collective import Group, Sender  # noqa: E402
 from refit_grpc.common import Deadline, GroupSpec, PauseMode  # noqa: E402
+from refit_grpc.driver.endpoint import ChannelSecurity  # noqa: E402
 from refit_grpc.errors import RefitError  # noqa: E402
 from refit_grpc.integrations.hf import canary_from_model, checkpoint_state_dict  # noqa: E402
 from refit_grpc.plan import Bucket, Packing, RefitPlan  # noqa: E402
 from refit_grpc.proto import pb, pb_grpc  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
 from refit_grpc.shim.engines.vllm import VLLMEngine  # noqa: E402
-from refit_grpc.shim.process import spawn_shim  # noqa: E402
+from refit_grpc.shim.process import ShimProcess, spawn_shim  # noqa: E402
 from refit_grpc.staging import StagedDigest  # noqa: E402
 from refit_grpc.testing.logprobs import SEQUENCE  # noqa: E402
+from refit_grpc.testing.netns import Hosts, netns_unavailable, tc_unavailable  # noqa: E402
 from refit_grpc.testing.vllm import PROMPT, SERVED_MODEL, http_json  # noqa: E402
 from refit_grpc.wire.vllm import STAGE_OP_STATUS  # noqa: E402
 from refit_grpc.wire.worker import StageStatus  # noqa: E402
@@ -750,6 +754,110 @@ def test_a_vllm_engine_takes_delta_epochs_and_serves_a_catch_up(server, trainer)
         assert shim.stop() is not None
         assert newcomer.stop() is not None
 
+
+
+# A catch-up peer's link in (h): slow enough that a transfer of the model (about 2 MiB) lasts
+# over a second, so the peer can be killed in the middle of it.
+PEER_LINK_GBIT = 0.01
+
+
+def test_a_peer_killed_mid_catch_up_ends_the_vllm_newcomers_receive_typed_and_another_serves(
+        server, trainer, tmp_path):
+    """(h) A peer killed mid-catch-up, the engine catching up a vLLM (issue 23, "Faults"): the
+    peers are reference-engine shims in network namespaces of their own, each behind a 10 Mbit/s
+    link (`refit_grpc.testing.netns`), so a transfer lasts long enough to SIGKILL its peer in
+    the middle of it. With that peer the only one, the catch-up fails typed (CATCH_UP_FAILED,
+    the peer named first) within seconds of the kill, not at the attempt's timeout, and the vLLM
+    engine holds nothing new: the same weight version and committed copy, not paused, the very
+    log-probabilities it served before. With two peers, the second serves after the first is
+    killed, and vLLM's log-probabilities then equal transformers'."""
+    reason = netns_unavailable() or tc_unavailable()
+    if reason is not None:
+        pytest.skip(f"needs network namespaces and tc (root, iproute2): {reason}")
+    packing = ("--buffer-size-bytes", str(PACKING.buffer_size_bytes),
+               "--num-buffers", str(PACKING.num_buffers))
+    token = secrets.token_hex(16)  # the peers listen off loopback
+    with Hosts(3, rate_gbit=PEER_LINK_GBIT) as net:
+        peers = net.start_shims([("--model", "none", "--instance-id", f"p{i}", *packing)
+                                 for i in range(3)], tmp_path, token=token)
+        p0, p1, p2 = (s.shim for s in peers)
+        shim = spawn_shim("--engine", "vllm", "--engine-url", server.url, "--instance-id",
+                          "vllm-newcomer", "--allow-master", str(net.subnet), *packing,
+                          "--max-epoch-s", str(EPOCH_S))
+        try:
+            version, tensors = next_version(trainer)
+            # Phase 1: p0 is the only peer.
+            with _fleet_of(token, p0, p1, p2) as fleet:
+                fleet.prepare(info(tensors))
+                link = fleet.connect(net.master)
+                fleet.refit(link, tensors, version=version, epoch=Staged())
+                fleet.remove("p1")
+                fleet.remove("p2")
+                fleet.add(WorkerEndpoint(shim.instance_id, shim.address))
+                held = describe(shim.address)
+                served = engine_logprobs(server.url)
+
+                future = fleet.catch_up_async(shim.instance_id)
+                _wait_for_bytes_from("p0", shim.address)
+                p0.signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+                with pytest.raises(CatchUpError) as failed:
+                    future.result(timeout=EPOCH_S)
+                ended_s = time.monotonic() - killed_at
+                assert failed.value.reason == Reason.CATCH_UP_FAILED, failed.value
+                assert failed.value.workers[0] == "p0", str(failed.value)
+                assert ended_s < 15, f"ended {ended_s:.1f}s after the kill"
+                d = describe(shim.address)
+                assert (d.weight_version, d.committed_copy_version, d.paused,
+                        d.catching_up_from) == (held.weight_version,
+                                                held.committed_copy_version, False, ""), d
+                assert torch.equal(engine_logprobs(server.url), served), \
+                    "vLLM serves something new after a failed catch-up"
+                print(f"\nFAULT the only peer killed mid catch-up: ended {ended_s:.2f}s after "
+                      f"the kill: {failed.value}")
+                link.close()
+
+            # Phase 2: p1 and p2, a new fleet of them (the trainer restarted) at the next version;
+            # p1 is killed.
+            tensors = next_version(trainer)[1]
+            version += 1  # vLLM never served the version before
+            with _fleet_of(token, p1, p2) as fleet:
+                fleet.prepare(info(tensors))
+                link = fleet.connect(net.master)
+                fleet.refit(link, tensors, version=version, epoch=Staged())
+                fleet.add(WorkerEndpoint(shim.instance_id, shim.address))
+                future = fleet.catch_up_async(shim.instance_id)
+                _wait_for_bytes_from("p1", shim.address)
+                p1.signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+                report = future.result(timeout=EPOCH_S)
+                assert report.peer == "p2", report
+                assert [f.instance_id for f in report.failed_peers][:1] == ["p1"], report
+                trainer["version"] = version
+                assert describe(shim.address).weight_version == version
+                assert_serves(server.url, trainer["model"], f"v{version} caught up from p2")
+                print(f"FAULT a peer killed mid catch-up: {report.failed_peers[0].reason}; "
+                      f"caught up from p2 {time.monotonic() - killed_at:.2f}s after the kill")
+                link.close()
+        finally:
+            assert shim.stop() is not None
+
+
+def _fleet_of(token: str, *peers: ShimProcess) -> Fleet:
+    return Fleet([WorkerEndpoint(p.instance_id, p.address) for p in peers], packing=PACKING,
+                 control_timeout_s=STEP_S, join_timeout_s=EPOCH_S, epoch_timeout_s=EPOCH_S,
+                 security=ChannelSecurity(token=token))
+
+
+def _wait_for_bytes_from(peer: str, address: str, timeout_s: float = 20.0) -> None:
+    """Until the engine at `address` has received some of a catch-up from `peer`, not all."""
+    end = time.monotonic() + timeout_s
+    while True:
+        d = describe(address)
+        if d.catching_up_from == peer and d.catch_up_bytes_received > 0:
+            return
+        assert time.monotonic() < end, f"no bytes from {peer} in {timeout_s}s: {d}"
+        time.sleep(0.005)
 
 # --- helpers of (c) ----------------------------------------------------------------------------
 
