@@ -111,6 +111,13 @@ class StagingCopy:
     second copy of the plan while one is kept (`nbytes` counts both); a staged epoch that is
     not reversible frees it.
 
+    An engine that holds its live weights in plan layout may serve from the copy itself (the
+    reference engine in store mode): its flip makes its weights views of `flat_bytes()` instead
+    of copying them, and it names that buffer in every `allocate(..., serving=...)`, so no epoch
+    lands in the weights being served. The epoch then lands in the second buffer (the one that
+    was live before, or a new one), and the flip is a swap: no copy of the weights, and a
+    reversible epoch costs no memory beyond that second buffer (`held_bytes`).
+
     Thread safety: one epoch writes it at a time (the shim serializes epochs); `valid_for`,
     `invalidate` and `commit` may be called from any thread.
 
@@ -131,6 +138,10 @@ class StagingCopy:
         # The previous copy: same plan, its buffer, (version, staged digest) while it holds one.
         self._spare: torch.Tensor | None = None
         self._previous: tuple[int, str] | None = None
+        # Whether `_previous` is the previous version a rollback may load (a reversible epoch), or
+        # only the committed copy set aside while the epoch lands beside the weights being served
+        # (given back if the epoch fails, never rolled back to).
+        self._reversible = False
         # While a rollback's flip is pending: the previous copy it restores (given back as
         # previous if the flip never comes; once loaded, none is kept before it).
         self._restoring: tuple[int, str] | None = None
@@ -139,11 +150,16 @@ class StagingCopy:
     def nbytes(self) -> int:
         """Bytes held (the extra memory staging costs: the copy, and a previous copy's buffer
         while one is kept), 0 before the first epoch."""
-        held = 0 if self._flat is None else self._flat.numel()
-        return held + (0 if self._spare is None else self._spare.numel())
+        return self.held_bytes()
+
+    def held_bytes(self, besides: torch.Tensor | None = None) -> int:
+        """Bytes held, not counting `besides` (an engine serving from one of the buffers counts
+        only what staging adds to its weights)."""
+        return sum(b.numel() for b in (self._flat, self._spare)
+                   if b is not None and b is not besides)
 
     def allocate(self, plan: RefitPlan, keep_previous: bool = False,
-                 delta: bool = False) -> None:
+                 delta: bool = False, serving: torch.Tensor | None = None) -> None:
         """Make room for `plan` (kept when the plan is the same) and mark the copy invalid: an
         epoch is about to overwrite it.
 
@@ -151,22 +167,26 @@ class StagingCopy:
             plan: the epoch's plan.
             keep_previous: keep the committed copy, if this plan's, as the previous version
                 (the epoch is reversible); the epoch lands in the second buffer.
-            delta: the epoch applies onto the committed copy: with `keep_previous`, the
-                second buffer starts as a copy of it.
+            delta: the epoch applies onto the committed copy: in the second buffer (with
+                `keep_previous`, or where the committed copy is being served), which starts as
+                a copy of it.
+            serving: the buffer the engine's live weights are views of, where the engine serves
+                from this copy (class docstring); the epoch never lands in it.
         """
         with self._lock:
             same_plan = self._plan is not None and self._plan.digest == plan.digest
             committed = (self._live_version, self._digest) \
                 if same_plan and self._live_version and self._digest else None
             self._digest, self._live_version, self._restoring = None, 0, None
-            self._previous = None
-            if keep_previous and committed is not None:
+            self._previous, self._reversible = None, False
+            served = same_plan and serving is not None and self._flat is serving
+            if (keep_previous and committed is not None) or served:
                 assert self._flat is not None
                 kept = self._flat
                 if self._spare is None:
                     self._spare = torch.empty_like(kept, pin_memory=self._pin)
                 self._flat, self._spare = self._spare, kept
-                self._previous = committed
+                self._previous, self._reversible = committed, keep_previous
                 if delta:
                     self._flat.copy_(kept)
                 return
@@ -234,7 +254,7 @@ class StagingCopy:
         """(version, staged digest) of the previous copy: the committed copy before the last
         reversible epoch's flip, what a rollback loads; None when none is kept."""
         with self._lock:
-            return self._previous if self._live_version else None
+            return self._previous if self._live_version and self._reversible else None
 
     def restore_previous(self) -> tuple[int, str]:
         """Make the previous copy the one a flip loads (a rollback); the committed copy it
@@ -248,7 +268,7 @@ class StagingCopy:
             ValueError: no previous copy is kept.
         """
         with self._lock:
-            previous = self._previous if self._live_version else None
+            previous = self._previous if self._live_version and self._reversible else None
             if previous is None or self._spare is None or self._digest is None:
                 raise ValueError("no previous copy to roll back to")
             assert self._flat is not None

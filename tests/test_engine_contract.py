@@ -40,7 +40,7 @@ from vllm_support import require_vllm, tiny_model_dir
 # The first vLLM case starts the module's server (about 40 s here, minutes on a loaded host).
 pytestmark = pytest.mark.timeout(600)
 
-ENGINES = ("reference", pytest.param("vllm", marks=pytest.mark.engine),
+ENGINES = ("reference", "reference-store", pytest.param("vllm", marks=pytest.mark.engine),
            pytest.param("dynamo", marks=pytest.mark.engine))
 STEP_S = 30.0      # the deadline of a control call (pause, resume, join, ...)
 EPOCH_S = 60.0     # the deadline of a transfer that is expected to succeed
@@ -99,6 +99,32 @@ def reference_subject() -> Subject:
             return teacher_forced_logprobs(model.eval()(torch.tensor([tokens]))[0], tokens)
 
     return Subject(engine, Packing(64 * 1024, 2), base, holds, canary_truth=canary_truth)
+
+
+def reference_store_subject() -> Subject:
+    """The reference engine in store mode (no model: it holds whatever the plan names, in one
+    buffer in plan layout), the mode the fleet tests and benches run; its flip serves from the
+    staged copy itself instead of copying it. Its tensors: the tiny LM's (float32) and a
+    bfloat16 and an int64 one, each at an offset its dtype can be viewed at (else the engine
+    copies), every byte checked."""
+    from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
+
+    engine = ReferenceEngine(model=None)
+    base = {n: t.clone() for n, t in TinyLM(TinyLMConfig()).state_dict().items()}
+    base["extra.bf16"] = torch.randn(4, 4).to(torch.bfloat16)
+    base["extra.int64"] = torch.arange(7, dtype=torch.int64)
+
+    def holds(plan: RefitPlan, weights: dict[str, torch.Tensor], version: int) -> None:
+        assert engine.receives_in_place  # one buffer in plan layout: what store mode is for
+        for s in plan.tensors:
+            got = engine.tensor(s.name)
+            assert (tuple(got.shape), got.dtype) == (s.shape, s.dtype), s.name
+            assert torch.equal(got.reshape(-1).view(torch.uint8),
+                               weights[s.name].contiguous().reshape(-1).view(torch.uint8)), s.name
+        want = weights_digest((s.name, weights[s.name]) for s in plan.tensors)
+        assert engine.status(with_digest=True).weights_digest == want
+
+    return Subject(engine, Packing(64 * 1024, 2), base, holds)
 
 
 def vllm_subject(server, trainer: dict) -> Subject:
@@ -183,6 +209,8 @@ def dynamo_rig(dynamo_deployment) -> dict:
 def subject(request) -> Iterator[Subject]:
     if request.param == "reference":
         s = reference_subject()
+    elif request.param == "reference-store":
+        s = reference_store_subject()
     elif request.param == "dynamo":
         s = dynamo_subject(request.getfixturevalue("dynamo_rig"))
     else:
@@ -314,43 +342,48 @@ def test_a_full_transfer_leaves_the_trainers_weights(subject):
 def test_a_staged_epoch_serves_the_old_weights_until_the_flip(subject):
     """An engine that stages receives the whole epoch while serving (never paused) and keeps
     the old weights until `flip`, which loads exactly what was staged; its staged digest is the
-    trainer's. One that cannot stage says so (STAGING_UNSUPPORTED) without touching anything."""
+    trainer's. Twice in a row, so an engine that serves from the copy it flipped to (the
+    reference engine in store mode) is seen to land the next epoch beside it, not in it. One
+    that cannot stage says so (STAGING_UNSUPPORTED) without touching anything."""
     engine, plan = subject.engine, subject.plan()
     if not engine.capabilities.staging:
         with pytest.raises(RefitError) as e:
             engine.stage(plan, Deadline(STEP_S), lambda b: None)
         assert e.value.reason == Reason.STAGING_UNSUPPORTED
         return
-    old, new = perturbed(subject.base, seed=5), perturbed(subject.base, seed=6)
-    old_version = next(_versions)
+    old, old_version = perturbed(subject.base, seed=5), next(_versions)
     transfer(engine, plan, old, old_version)
     engine.resume(Deadline(STEP_S))
     joined = form_group(engine, plan)
     try:
-        landed: list[Bucket] = []
-        box: dict = {}
+        for seed in (6, 7):
+            new = perturbed(subject.base, seed=seed)
+            landed: list[Bucket] = []
+            box: dict = {}
 
-        def stage() -> None:
-            try:
-                box["digest"] = engine.stage(plan, Deadline(EPOCH_S), landed.append)
-            except BaseException as e:  # noqa: BLE001  (asserted below)
-                box["error"] = e
+            def stage(box: dict = box, landed: list[Bucket] = landed) -> None:
+                try:
+                    box["digest"] = engine.stage(plan, Deadline(EPOCH_S), landed.append)
+                except BaseException as e:  # noqa: BLE001  (asserted below)
+                    box["error"] = e
 
-        thread = threading.Thread(target=stage, daemon=True, name="contract-stage")
-        thread.start()
-        checksums = StagedDigest(plan)
-        Sender(joined.trainer, plan).send(new, Deadline(EPOCH_S), checksums=checksums)
-        thread.join(EPOCH_S)
-        assert not thread.is_alive() and "error" not in box, box.get("error")
-        assert box["digest"] == checksums.hexdigest()
-        assert sorted(b.index for b in landed) == [b.index for b in plan.buckets]
-        assert not engine.status().paused  # staging never pauses
-        subject.holds(plan, old, old_version)  # it serves the old weights: they did not move
-        engine.pause(PauseMode.KEEP, Deadline(STEP_S))
-        new_version = next(_versions)
-        engine.flip(new_version, Deadline(EPOCH_S))
-        assert engine.reset_cache(Deadline(STEP_S))
-        subject.holds(plan, new, new_version)
+            thread = threading.Thread(target=stage, daemon=True, name="contract-stage")
+            thread.start()
+            checksums = StagedDigest(plan)
+            Sender(joined.trainer, plan).send(new, Deadline(EPOCH_S), checksums=checksums)
+            thread.join(EPOCH_S)
+            assert not thread.is_alive() and "error" not in box, box.get("error")
+            assert box["digest"] == checksums.hexdigest()
+            assert sorted(b.index for b in landed) == [b.index for b in plan.buckets]
+            assert not engine.status().paused  # staging never pauses
+            subject.holds(plan, old, old_version)  # it serves the old weights: they did not move
+            engine.pause(PauseMode.KEEP, Deadline(STEP_S))
+            new_version = next(_versions)
+            engine.flip(new_version, Deadline(EPOCH_S))
+            assert engine.reset_cache(Deadline(STEP_S))
+            subject.holds(plan, new, new_version)
+            engine.resume(Deadline(STEP_S))  # serving, as the next stage() needs
+            old, old_version = new, new_version
     finally:
         joined.trainer.close()
 

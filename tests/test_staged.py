@@ -104,7 +104,8 @@ def test_serves_the_old_version_until_the_flip_then_exactly_the_new(ready):
     assert g["refit_shim_staged_version"] == 0
     assert g["refit_shim_last_stall_seconds"] == pytest.approx(done.stall_seconds)
 
-    # The group stays: the next staged epoch reuses it and the staging copy (no new memory).
+    # The group stays: the next staged epoch reuses it; the staging copy holds one copy of the
+    # plan beside the weights served (the engine serves from the copy it flipped to).
     _, digest3 = stage(ready, tensors_v(3), 3)
     assert flip(stub, 3, digest3).version == 3
     assert ready.shim.describe().weights_digest == store_digest(ready, tensors_v(3))

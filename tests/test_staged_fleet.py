@@ -106,9 +106,10 @@ def test_a_staged_fleet_flips_every_engine_to_exactly_the_trainers_weights(shim_
                 d = describe_or_none(s.address)
                 assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False,
                                                                  version)
-                # The committed copy, kept; from the second (reversible) epoch on, the
-                # previous one beside it.
-                assert d.staging_bytes == fleet.plan.total_bytes * (1 if version == 1 else 2)
+                # The engine serves from the committed copy itself (store mode), so staging
+                # adds nothing after the first epoch; from the second (reversible) epoch on,
+                # the previous version's buffer beside it.
+                assert d.staging_bytes == fleet.plan.total_bytes * (0 if version == 1 else 1)
         rows = status_rows(fleet)  # what `refit-grpc fleet status` shows
         assert [r.last_stall_s for r in rows] == \
             pytest.approx([w.stall_seconds for w in report.workers])

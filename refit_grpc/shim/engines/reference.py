@@ -340,21 +340,16 @@ class ReferenceEngine(Engine):
         wire's layout), so buckets can be received in place (`_land`). Values of tensors the
         old layout held with the same shape and dtype are kept. Where a tensor would start at an
         offset its dtype cannot be viewed at, tensors stay separate and every bucket is copied."""
-        offsets, offset = [], 0
-        for spec in plan.tensors:
-            if offset % spec.dtype.itemsize:
-                self._flat, self._flat_digest, self._flat_offsets = None, plan.digest, []
-                return
-            offsets.append(offset)
-            offset += spec.nbytes
+        offsets = _flat_offsets(plan)
+        if offsets is None:
+            self._flat, self._flat_digest, self._flat_offsets = None, plan.digest, []
+            return
         flat = torch.zeros(plan.total_bytes, dtype=torch.uint8)
-        weights: dict[str, torch.Tensor] = {}
-        for spec, start in zip(plan.tensors, offsets):
-            view = flat[start:start + spec.nbytes].view(spec.dtype).view(spec.shape)
+        weights = _views(flat, plan, offsets)
+        for spec in plan.tensors:
             have = self._weights.get(spec.name)
             if have is not None and tuple(have.shape) == spec.shape and have.dtype == spec.dtype:
-                view.copy_(have)
-            weights[spec.name] = view
+                weights[spec.name].copy_(have)
         self._weights, self._flat = weights, flat
         self._flat_digest, self._flat_offsets = plan.digest, offsets
 
@@ -383,7 +378,8 @@ class ReferenceEngine(Engine):
 
     @property
     def staging_bytes(self) -> int:
-        return self._staging.nbytes
+        # Not the weights it serves from, where they are one of the copy's buffers (flip()).
+        return self._staging.held_bytes(besides=self._flat)
 
     @property
     def committed_copy(self) -> tuple[int, str] | None:
@@ -408,8 +404,10 @@ class ReferenceEngine(Engine):
             if delta and self.committed_copy is None:
                 raise FailedPreconditionError("no committed copy to apply a delta to",
                                               reason=Reason.DELTA_BASE_MISMATCH)
-            # Keeps the bytes of the same plan (a delta's base); marks the copy incomplete.
-            self._staging.allocate(plan, keep_previous=keep_previous, delta=delta)
+            # Keeps the bytes of the same plan (a delta's base); marks the copy incomplete; never
+            # lands in the buffer the weights are served from (flip()).
+            self._staging.allocate(plan, keep_previous=keep_previous, delta=delta,
+                                   serving=self._flat)
         digest = StagedDigest(plan)
 
         def landed(bucket: Bucket) -> None:
@@ -431,8 +429,11 @@ class ReferenceEngine(Engine):
         """A bucket landed in the staging copy, before its checksum (a test's fault hook)."""
 
     def flip(self, version: int, deadline: Deadline) -> str:
-        """The staged copy into the live weights: one memmove of the whole plan where the store
-        holds it in one buffer in the same layout, else a copy per tensor."""
+        """The staged copy becomes the live weights. In store mode with every tensor aligned,
+        the engine serves from the copy itself: its weights become views of the copy's buffer
+        (no bytes move; the buffer it served from before is the copy's second one, where the
+        next epoch lands or, after a reversible epoch, the previous version stays). Otherwise
+        (a model's own parameters, or a layout that cannot be viewed) a copy per tensor."""
         deadline.check("flip")
         if self._staging.digest is None:
             raise FailedPreconditionError("nothing staged to flip", reason=Reason.NOT_STAGED)
@@ -441,10 +442,16 @@ class ReferenceEngine(Engine):
             self._digest = None
             plan = self._staging_plan()
             self._plan = plan
-            self._allocate(plan)
+            offsets = _flat_offsets(plan) if self._model is None else None
+            if offsets is None:
+                self._allocate(plan)
         try:
-            if self._flat is not None:
-                copy_bytes(self._flat, self._staging.flat_bytes())
+            if offsets is not None:
+                flat = self._staging.flat_bytes()
+                weights = _views(flat, plan, offsets)
+                with self._lock:
+                    self._weights, self._flat = weights, flat
+                    self._flat_digest, self._flat_offsets = plan.digest, offsets
             else:
                 with torch.no_grad():
                     for spec, raw in self._staging.tensors():
@@ -497,6 +504,25 @@ class ReferenceEngine(Engine):
 
     def tensor(self, name: str) -> torch.Tensor:
         return self._weights[name]
+
+
+def _flat_offsets(plan: RefitPlan) -> list[int] | None:
+    """Each tensor's byte offset with the plan's tensors back to back in plan order (the wire's
+    and the staging copy's layout); None where one would start at an offset its dtype cannot be
+    viewed at."""
+    offsets, offset = [], 0
+    for spec in plan.tensors:
+        if offset % spec.dtype.itemsize:
+            return None
+        offsets.append(offset)
+        offset += spec.nbytes
+    return offsets
+
+
+def _views(flat: torch.Tensor, plan: RefitPlan, offsets: list[int]) -> dict[str, torch.Tensor]:
+    """The plan's tensors as views of `flat` at `offsets`."""
+    return {spec.name: flat[start:start + spec.nbytes].view(spec.dtype).view(spec.shape)
+            for spec, start in zip(plan.tensors, offsets)}
 
 
 def _never_applied(bucket: Bucket, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
