@@ -10,7 +10,8 @@ the engine serves, then loaded or replaced in place under the adapter's name, fr
     requests naming the adapter equal PEFT's (base + adapter, transformers), and moved; the base
     model's (requests naming the base model) are exactly what they were. Base-model requests
     stream through every adapter epoch: each one is printed with its longest token gap next to
-    the steady gap, and the flip reports no stall.
+    the steady gap, and the flip reports no stall. A shim restarted afterwards lists the adapter
+    at the version vLLM serves.
 (b) Bad adapters are refused at Prepare, typed and named, and nothing changes: a rank over the
     engine's maximum, a module the model cannot adapt, a name that is the base model's or that
     of an adapter the operator loaded from a file, a factor whose shape does not fit its base
@@ -25,6 +26,7 @@ import time
 import pytest
 import torch
 
+from support import describe
 from vllm_support import require_vllm, tiny_model_dir
 from vllm_support.servers import module_pool
 
@@ -35,6 +37,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 from refit_grpc import AdapterSpec, FleetError  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
+from refit_grpc.shim.process import spawn_shim  # noqa: E402
 from refit_grpc.testing.vllm import SERVED_MODEL, http_json  # noqa: E402
 from refit_grpc.tools.bench_stall import Load, gaps, longest_gap  # noqa: E402
 
@@ -168,6 +171,16 @@ def test_three_adapter_versions_follow_peft_and_the_base_model_never_changes(rig
     assert sum(1 for times in requests for t in times
                if any(t0 <= t <= t1 for t0, t1, _ in windows)) > 0, \
         "no base-model token arrived during any adapter epoch"
+
+    # A shim started afresh against the engine (a restart) lists the adapter at the version
+    # vLLM serves, read from vLLM's model list, not from what it committed itself (nothing).
+    restarted = spawn_shim("--engine", "vllm", "--engine-url", rig.url,
+                           "--instance-id", "lora-restarted")
+    try:
+        d = describe(restarted.address, timeout_s=30)
+        assert [(a.name, a.version) for a in d.adapters] == [(NAME, version)], d
+    finally:
+        assert restarted.stop() is not None
 
 
 def test_bad_adapters_are_refused_at_prepare_and_change_nothing(pool, rig, trainer, tmp_path):

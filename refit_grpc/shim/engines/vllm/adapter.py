@@ -132,8 +132,11 @@ class VLLMEngine(HttpEngine):
         # The workers' `WorkerInfo.quantization`, asked once (it is fixed for the engine's
         # life); None until asked, "" when the workers cannot say (not the project's backend).
         self._quantization: str | None = None
-        # Adapters committed through this shim (adapter epochs): name -> version.
+        # Adapters this shim committed (adapter epochs), and those vLLM served when it started
+        # (`_read_served_adapters`): name -> version.
         self._adapters: dict[str, int] = {}
+        # Whether the adapters vLLM already served when this shim started were read (status()).
+        self._adapters_read = False
 
     # --- the engine interface --------------------------------------------------------------
 
@@ -169,6 +172,8 @@ class VLLMEngine(HttpEngine):
                     self._refresh_world_size()
                 if self._quantization is None:
                     self._refresh_quantization()
+                if not self._adapters_read:
+                    self._read_served_adapters()
                 digest = self.weights_digest(Deadline(self.request_timeout_s)) \
                     if with_digest else ""
                 return EngineStatus(healthy=True, paused=self._paused, weights_digest=digest)
@@ -331,16 +336,39 @@ class VLLMEngine(HttpEngine):
         if index is not None:
             index.check_adapter(plan)
 
+    def _served_models(self, deadline: Deadline | None) -> list[dict[str, Any]]:
+        """GET /v1/models: the base model (no parent) and every adapter vLLM serves, each
+        with the path it was last loaded from (`root`)."""
+        body = self._http.call("GET", "/v1/models", deadline, what="models",
+                               cap_s=self.status_timeout_s)
+        models = body.get("data") if isinstance(body, dict) else None
+        return [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+
+    def _read_served_adapters(self) -> None:
+        """The adapters of this project's epochs that vLLM serves (their `root` is
+        `adapter_path(name, version)`), learned once: a shim started after their epochs (a
+        restart) lists them in Describe at the version vLLM serves. Its own flips are the
+        later word."""
+        try:
+            models = self._served_models(None)
+        except RefitError:
+            return  # read by the next status()
+        served = {}
+        for model in models:
+            parsed = parse_adapter_path(str(model.get("root") or ""))
+            if model.get("parent") is not None and parsed is not None:
+                served[parsed[0]] = parsed[1]
+        with self._lock:
+            self._adapters = {**served, **self._adapters}
+            self._adapters_read = True
+
     def _check_adapter_name(self, name: str) -> None:
         """The name must be free for this project's adapter: not the base model's (vLLM routes
         that name to the base model), and not an adapter vLLM serves from a file (an in-place
         load would replace the operator's adapter). vLLM lists both in GET /v1/models; an
         adapter this project loaded has a path of ours there."""
-        body = self._http.call("GET", "/v1/models", Deadline(self.request_timeout_s),
-                               what="models", cap_s=self.status_timeout_s)
-        models = body.get("data") if isinstance(body, dict) else None
-        for model in models if isinstance(models, list) else []:
-            if not isinstance(model, dict) or model.get("id") != name:
+        for model in self._served_models(Deadline(self.request_timeout_s)):
+            if model.get("id") != name:
                 continue
             root = str(model.get("root") or "")
             if model.get("parent") is None:
