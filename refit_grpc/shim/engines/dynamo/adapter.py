@@ -167,7 +167,8 @@ class DynamoEngine(HttpEngine):
         (gloo only, which init_transfer enforces). No canary (Dynamo's frontend is not this
         shim's to reach). The workers keep the copy a flip loaded as their committed copy:
         delta epochs apply onto it and catch-ups are served from it."""
-        return Capabilities(staging=True, delta=True, serving_copy=True, rollback=True)
+        return Capabilities(staging=True, delta=True, serving_copy=True, rollback=True,
+                            keep_cache=True)
 
     @property
     def world_size(self) -> int:
@@ -198,8 +199,8 @@ class DynamoEngine(HttpEngine):
         index.check_plan(plan, engine="Dynamo's vLLM worker")
 
     def _post_pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool) -> None:
-        # keep_cache is not offered on Dynamo (Capabilities): what its frontend does with
-        # requests that span a flip is not measured here.
+        # keep_cache (a staged flip that keeps the parked requests' KV cache): Dynamo's
+        # pause_generation passes clear_cache to vLLM's, and the flip skips flush_cache.
         self._post(routes.PAUSE, {"mode": mode.value, "clear_cache": not keep_cache}, deadline,
                    cap_s=math.inf if mode is PauseMode.WAIT else None)
 
