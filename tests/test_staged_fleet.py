@@ -20,6 +20,7 @@ from refit_grpc import (
     EpochMode,
     Fleet,
     FleetState,
+    FleetStateError,
     Packing,
     QuorumError,
     Staged,
@@ -28,6 +29,7 @@ from refit_grpc import (
 from refit_grpc.cli.fleet import render_status, status_rows
 from refit_grpc.errors import InternalError
 from refit_grpc.proto import pb
+from refit_grpc.reasons import Reason
 from refit_grpc.shim.engines.base import Capabilities
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.service import ShimConfig
@@ -181,7 +183,7 @@ from refit_grpc.staging import StagedDigest
 addresses = sys.argv[1:]
 w = {f"layer.{i}": torch.randn(256 * 1024) for i in range(8)}
 fleet = Fleet([WorkerEndpoint(f"w{i}", a) for i, a in enumerate(addresses)],
-              packing=Packing(1 << 20, 2), epoch_timeout_s=60, flip_timeout_s=2.0)
+              packing=Packing(1 << 20, 2), epoch_timeout_s=60, flip_timeout_s=4.0)
 fleet.prepare({n: (t.shape, t.dtype) for n, t in w.items()})
 link = fleet.connect("127.0.0.1")
 handle = fleet.update_weights(1, epoch=Staged())
@@ -211,7 +213,7 @@ def test_a_trainer_killed_before_the_flip_costs_only_the_flip_timeout(shim_procs
         trainer.wait(10)
         t0 = time.monotonic()
         while any(describe_or_none(a).staged_version for a in addresses):
-            assert time.monotonic() - t0 < 10, "a staged copy outlived its flip timeout"
+            assert time.monotonic() - t0 < 12, "a staged copy outlived its flip timeout"
             time.sleep(0.05)
         dropped_after = time.monotonic() - t0
         seen = watch.stop()
@@ -225,7 +227,7 @@ def test_a_trainer_killed_before_the_flip_costs_only_the_flip_timeout(shim_procs
         assert "no Flip in time" in d.last_error
         assert not any(paused for _, paused in seen[a])
     print(f"\nFAULT staged trainer killed before the flip: copies dropped {dropped_after:.2f}s "
-          "after (flip timeout 2 s from STAGED), never paused")
+          "after (flip timeout 4 s from STAGED), never paused")
 
 
 class CorruptStaging(ReferenceEngine):
@@ -339,3 +341,33 @@ def test_a_quorum_flipped_with_its_group_gone_lets_the_next_refit_form_it_again(
     finally:
         for s in shims:
             s.close()
+
+
+def test_a_fleet_whose_every_engine_is_left_behind_refuses_typed_until_one_is_readmitted():
+    """A one-engine fleet whose staged epoch failed (its engine left behind, serving what it
+    had): the failed epoch ended the group (the next refit() says FLEET_NOT_CONNECTED), and
+    connect() has nobody to form one with. It is refused at once, typed (NO_MEMBERS, naming
+    the engine left behind and why), not a group of the trainer alone (before: "world_size
+    must be >= 2"); `readmit()` brings the engine back and the next epoch goes through."""
+    shim = InProcessShim(FailsOnceStaged(model=None), ShimConfig(max_epoch_s=20))
+    try:
+        with Fleet(endpoints([shim], "s"), packing=Packing(1 << 16, 2),
+                   epoch_timeout_s=20) as fleet:
+            link = connected(fleet, weights(1, mib=1))
+            with pytest.raises(QuorumError):
+                fleet.refit(link, weights(1, mib=1), epoch=Staged())
+            assert list(fleet.left_behind) == ["s0"]
+            with pytest.raises(FleetStateError) as refused:  # the failed epoch ended the group
+                fleet.refit(link, weights(1, mib=1), epoch=Staged())
+            assert refused.value.reason == Reason.FLEET_NOT_CONNECTED, refused.value
+            with pytest.raises(FleetStateError) as refused:
+                fleet.connect("127.0.0.1")
+            assert refused.value.reason == Reason.NO_MEMBERS, refused.value
+            assert "s0: " in str(refused.value) and "INTERNAL_ERROR" in str(refused.value)
+            fleet.readmit("s0")
+            link = fleet.connect("127.0.0.1")
+            # In place: this engine fails every staging.
+            report = fleet.refit(link, weights(2, mib=1), checks=Checks(verify=True))
+            assert [w.weights_digest for w in report.workers] == [digest_of(weights(2, mib=1))]
+    finally:
+        shim.close()

@@ -16,6 +16,14 @@ the engine serves, then loaded or replaced in place under the adapter's name, fr
     engine's maximum, a module the model cannot adapt, a name that is the base model's or that
     of an adapter the operator loaded from a file, a factor whose shape does not fit its base
     weight; and an engine started without LoRA refuses any adapter (ADAPTER_UNSUPPORTED).
+(c) A failed adapter flip: a second adapter, tenant-b, beside tenant-a in the same engine; the
+    engine's build of tenant-b's second version fails (a deliberate fault in the server's
+    environment, `REFIT_GRPC_TEST_FAIL_ADAPTER_BUILD=tenant-b:2`). The epoch fails typed, naming
+    the engine and the build's error, and leaves it behind; the engine still serves tenant-b's
+    first version (equal to PEFT's at it), tenant-a and the base model exactly as before,
+    Describe lists both at the versions served, nothing is paused. The fleet (its only engine
+    left behind) refuses the next epoch (NO_MEMBERS) until `readmit()`; then the third version
+    flips.
 """
 
 from __future__ import annotations
@@ -34,12 +42,13 @@ require_vllm()
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
-from refit_grpc import AdapterSpec, FleetError  # noqa: E402
+from refit_grpc import AdapterSpec, FleetError, FleetStateError  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
 from refit_grpc.shim.process import spawn_shim  # noqa: E402
 from refit_grpc.testing.vllm import SERVED_MODEL, http_json  # noqa: E402
 from refit_grpc.tools.bench_stall import Load, gaps, longest_gap  # noqa: E402
+from refit_grpc.vllm_plugin.faults import FAIL_ADAPTER_BUILD_ENV  # noqa: E402
 
 from vllm_support.truth import (  # noqa: E402
     FP32_TOL,
@@ -55,7 +64,8 @@ RANK = 8
 MAX_RANK = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_ARGS = ("--enable-lora", "--max-lora-rank", str(MAX_RANK), "--max-loras", "2")
-LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+SECOND = "tenant-b"  # (c): a second adapter beside the first, whose second build fails
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", FAIL_ADAPTER_BUILD_ENV: f"{SECOND}:2"}
 LR = 1.0  # measured: moves some log-probability of the adapter by 0.08-0.12 per version
 VERSIONS = 3
 # The base model's log-probabilities across adapter epochs: the same engine, the same kernels,
@@ -183,10 +193,55 @@ def test_three_adapter_versions_follow_peft_and_the_base_model_never_changes(rig
         assert restarted.stop() is not None
 
 
+def test_a_failed_adapter_flip_leaves_what_was_served_and_the_next_version_flips(rig, trainer):
+    """(c) Module docstring. Three versions of tenant-b; the engine's build of the second fails
+    (the worker raises in the build, every byte having arrived and the copy committed to the
+    workers' store)."""
+    assert trainer["version"] >= VERSIONS + 2, "runs after (a)"
+    model, spec = trainer["model"], AdapterSpec.of(SECOND, trainer["spec"].config)
+    base, first = engine_logprobs(rig.url), engine_logprobs(rig.url, model=NAME)
+    (d,) = rig.fleet.describe(weights_digest=False)
+    first_version = dict((a.name, a.version) for a in d.adapters)[NAME]
+    served: tuple[int, torch.Tensor] | None = None
+    for build in (1, 2, 3):
+        sgd_step(model, LR, trainer["gen"])
+        trainer["version"] += 1
+        version, tensors, want = trainer["version"], adapter_tensors(model), hf_logprobs(model)
+        if build == 2:
+            with pytest.raises(FleetError) as failed:
+                rig.refit(tensors, version, adapter=spec)
+            (failure,) = failed.value.failures
+            print(f"\n{SECOND} v{version}, its build failing: {type(failed.value).__name__}: "
+                  f"{failure.reason}: {failure.message}")
+            assert failure.instance_id == rig.name, failure
+            assert "deliberate fault" in failure.message, failure
+            # A staged epoch's failed flip leaves the engine behind: the fleet's only one, so
+            # the next epoch has nobody to form a group with until it is readmitted.
+            assert rig.name in rig.fleet.left_behind
+            with pytest.raises(FleetStateError) as alone:
+                rig.refit(tensors, version, adapter=spec)
+            assert alone.value.reason == Reason.NO_MEMBERS, alone.value
+            rig.fleet.readmit(rig.name)
+        else:
+            rig.refit(tensors, version, adapter=spec)
+            served = (version, want)
+        assert served is not None
+        gap = (engine_logprobs(rig.url, model=SECOND) - served[1]).abs().max().item()
+        assert gap <= FP32_TOL, f"after v{version}: {SECOND} is {gap:.2e} from v{served[0]}"
+        assert torch.equal(engine_logprobs(rig.url, model=NAME), first), f"{NAME} moved"
+        assert (engine_logprobs(rig.url) - base).abs().max().item() <= BASE_TOL
+        (d,) = rig.fleet.describe(weights_digest=False)
+        assert sorted((a.name, a.version) for a in d.adapters) == \
+            [(NAME, first_version), (SECOND, served[0])], d
+        assert not d.paused, d
+        print(f"after {SECOND} v{version}: serves v{served[0]} (gap to PEFT {gap:.1e}); "
+              f"{NAME} and the base model unchanged; state {pb.ShimState.Name(d.state)}")
+
+
 def test_bad_adapters_are_refused_at_prepare_and_change_nothing(pool, rig, trainer, tmp_path):
     """(b) Module docstring. An adapter the operator loaded from a file keeps its name: an
     adapter epoch under that name is refused, as it would replace it."""
-    assert trainer["version"] == VERSIONS + 2, "runs after (a)"
+    assert trainer["version"] >= VERSIONS + 2, "runs after (a)"
     model = trainer["model"]
     model.save_pretrained(tmp_path / "from-disk")
     status, body = http_json("POST", rig.url, "/v1/load_lora_adapter", {

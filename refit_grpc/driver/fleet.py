@@ -248,7 +248,8 @@ class Fleet:
             The trainer's end of the group (`link.port`); pass it to `refit()`.
 
         Raises:
-            FleetStateError: no plan (FLEET_NOT_PREPARED) or FLEET_CLOSED.
+            FleetStateError: no plan (FLEET_NOT_PREPARED), FLEET_CLOSED, or every worker is
+                left behind (NO_MEMBERS).
             InvalidArgumentError: train_world_size other than 1, or nccl without CUDA
                 (BACKEND_UNAVAILABLE).
             FleetError: a shim or this process could not join (the fleet is aborted first).

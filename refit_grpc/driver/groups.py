@@ -178,6 +178,12 @@ class GroupFormation:
         """Form a group of `members` with this process as the only trainer rank
         (`Fleet.connect()`, which documents it): the trainer's store listens before any
         shim is told where; the first shim whose join fails ends the trainer's wait."""
+        if not members:
+            behind = self.membership.left_behind
+            raise FleetStateError(
+                "no member to form a group with: every worker is left behind"
+                + (f" ({'; '.join(f'{i}: {f}' for i, f in behind.items())})" if behind else "")
+                + "; readmit() or catch_up() one first", reason=Reason.NO_MEMBERS)
         layout = self.ranks(members)
         world = 1 + layout.inference_world_size
         store: TCPStore | None = None

@@ -32,6 +32,7 @@ import torch
 
 from refit_grpc.plan import AdapterSpec, RefitPlan
 from refit_grpc.reasons import Reason
+from refit_grpc.vllm_plugin.faults import FailingAdapterBuild
 from refit_grpc.wire.vllm import parse_adapter_path
 
 log = logging.getLogger("vllm.refit_grpc")
@@ -87,6 +88,7 @@ class AdapterStore:
 
 
 STORE = AdapterStore()
+_FAULTS = FailingAdapterBuild()
 _installed = False
 
 
@@ -228,6 +230,7 @@ def _build(worker_manager: Any, lora_request: Any, held: HeldAdapter) -> Any:
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
 
+    _FAULTS.check(held.spec.name)  # nothing unless a test's environment asks
     manager = worker_manager._adapter_manager
     model = manager.model
     peft_helper = PEFTHelper.from_dict(json.loads(held.spec.peft_config))

@@ -1,5 +1,6 @@
-"""A deliberate fault for the quantized-engine tests: refits that leave the old quantization
-scales (docs/vllm.md, Quantized engines).
+"""Deliberate faults for the engine tests, never in production: refits that leave the old
+quantization scales (docs/vllm.md, Quantized engines), and an adapter build that fails
+(`FailingAdapterBuild`, docs/adapters.md).
 
 With `STALE_SCALES_ENV=1` in an engine's environment, every layerwise session (a refit's load)
 quantizes the new weights as usual and then puts back the scales each quantized layer had when
@@ -26,6 +27,8 @@ import torch
 log = logging.getLogger("vllm.refit_grpc")
 
 STALE_SCALES_ENV = "REFIT_GRPC_TEST_STALE_SCALES"
+# "NAME:N": the N-th build of adapter NAME in this worker process fails (tests/test_vllm_adapters.py).
+FAIL_ADAPTER_BUILD_ENV = "REFIT_GRPC_TEST_FAIL_ADAPTER_BUILD"
 # The quantize step each method runs on a reload, and the scales it writes.
 _TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "Int8OnlineMoEMethod": ("_quantize_weights", ("w13_scale", "w2_scale")),
@@ -77,3 +80,27 @@ def _keeping_scales(original: Callable[[torch.nn.Module], None],
             getattr(layer, name).data.copy_(scales.view_as(getattr(layer, name)))
 
     return step
+
+
+class FailingAdapterBuild:
+    """With `FAIL_ADAPTER_BUILD_ENV=NAME:N` in an engine's environment, the N-th build of the
+    adapter NAME in a worker process raises (each version is built once, so it is the N-th
+    version flipped there): the failed adapter flip a test drives, every byte having arrived
+    and the copy committed to the worker's store. Nothing unless the environment asks."""
+
+    def __init__(self) -> None:
+        name, _, count = os.environ.get(FAIL_ADAPTER_BUILD_ENV, "").partition(":")
+        self._name = name
+        self._nth = int(count) if count.isdigit() else 0
+        self._builds = 0
+
+    def check(self, name: str) -> None:
+        """Called before each build of adapter `name`; raises the fault on the one asked for."""
+        if not self._nth or name != self._name:
+            return
+        self._builds += 1
+        if self._builds == self._nth:
+            log.warning("refit_grpc gloo: %s: the build of adapter %r fails (a deliberate "
+                        "fault, for tests)", FAIL_ADAPTER_BUILD_ENV, name)
+            raise RuntimeError(f"refit_grpc: a deliberate fault ({FAIL_ADAPTER_BUILD_ENV}): "
+                               f"build {self._builds} of adapter {name!r} fails")
