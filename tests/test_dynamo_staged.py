@@ -8,7 +8,8 @@ log-probabilities) and a real `refit-grpc shim --engine dynamo` process in front
     STAGED with the trainer's staged digest, the old version still served; the Flip loads the
     copy and the worker serves the new version (log-probabilities equal transformers'), with
     Dynamo's declared weight version the flipped one. Then `Fleet.refit(epoch=Staged())` does the
-    same in one call.
+    same in one call. Describe says the worker's quantization ("none": it serves the weights as
+    sent), which the worker publishes in a store the shim hosts.
 (b) An operator Abort mid-stage ends the staged receive (nothing staged, Flip refused
     NOT_STAGED), the worker was never paused and still serves the last flipped version, and the
     next staged epoch goes through.
@@ -200,6 +201,7 @@ def test_a_staged_epoch_stages_while_the_worker_serves_then_the_flip_serves_the_
         assert dynamo_version(rig) == version
         (d,) = fleet.describe()
         assert (d.state, d.paused, d.weight_version) == (pb.SHIM_STATE_READY, False, version), d
+        assert d.quantization == "none", d  # asked of the worker (refit_grpc_engine_info)
 
         # The trainer's one call: Fleet.refit(epoch=Staged()) stages, checks, flips.
         version, weights = rig.next_version()

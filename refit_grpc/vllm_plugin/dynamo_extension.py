@@ -33,6 +33,12 @@ and for a rollback (docs/protocol.md, Rollback):
     refit_grpc_restore_previous()           the previous copy (kept by a reversible epoch)
                                             becomes the staged copy; the flip then loads it
 
+and for Describe:
+
+    refit_grpc_engine_info(master_address, master_port, info_key)
+                                            the worker's `wire.worker.WorkerInfo` (its
+                                            quantization), published in the shim's store
+
 Dynamo discards what a forwarded call returns, so a staged receive's progress, digest or error
 (`wire.worker.StageStatus`) is published by a thread of this worker to the trainer's TCPStore
 (the store the abort key already goes through), under `wire.dynamo.stage_status_key`. The flip
@@ -73,6 +79,7 @@ from typing import TYPE_CHECKING, Any
 from refit_grpc.wire.dynamo import (
     INIT_TIMEOUT_DEFAULT_S,
     INIT_TIMEOUT_ENV,
+    engine_info_key,
     join_limit_s,
     serve_status_key,
     stage_status_key,
@@ -204,6 +211,21 @@ class RefitGlooWorkerExtension:
         if receiver is None:
             return {"state": "idle"}
         return receiver.staged.cancel_serve().to_wire()
+
+    def refit_grpc_engine_info(self, master_address: str, master_port: int, info_key: str,
+                               **_: Any) -> dict[str, Any]:
+        """What this worker says of its engine (`WorkerInfo`: vLLM's quantization method, as
+        the vLLM backend's `engine_info` answers), published under `engine_info_key(info_key,
+        rank)` in the store at `master_address:master_port` (the shim's: Dynamo discards what
+        this returns)."""
+        from refit_grpc.vllm_plugin.layerwise import worker_rank
+        from refit_grpc.wire.worker import NO_QUANTIZATION, WorkerInfo
+
+        info = WorkerInfo(quantization=self.model_config.quantization or NO_QUANTIZATION)
+        store = _store_client(master_address, int(master_port))
+        store.set(engine_info_key(info_key, worker_rank(self.parallel_config, 0)),
+                  json.dumps(info.to_wire()))
+        return info.to_wire()
 
     def refit_grpc_restore_previous(self, **_: Any) -> dict[str, Any]:
         """A rollback's first step (`staged.StagedReceive.restore_previous`); raises where no

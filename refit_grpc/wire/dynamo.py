@@ -50,6 +50,9 @@ CANCEL_SERVE_RPC = "refit_grpc_cancel_serve"
 # A rollback: every worker makes its previous copy the staged copy (answered at once, raising
 # where it keeps none); the flip that follows loads it.
 RESTORE_RPC = "refit_grpc_restore_previous"
+# What the engine is (`wire.worker.WorkerInfo`: its quantization), asked once by the shim: every
+# worker publishes its info under `engine_info_key(key, rank)` in a store the shim hosts.
+INFO_RPC = "refit_grpc_engine_info"
 
 # Dynamo shuts the whole worker down (os._exit) when init_weights_update_group outlives this.
 INIT_TIMEOUT_ENV = "DYN_RL_INIT_WEIGHTS_TIMEOUT_S"
@@ -133,6 +136,19 @@ def restore_body() -> dict[str, Any]:
 
 def cancel_serve_body() -> dict[str, Any]:
     return {"engine_rpc": CANCEL_SERVE_RPC, "allow_unpaused": True, "reset_prefix_cache": False}
+
+
+def engine_info_body(master_address: str, master_port: int, key: str) -> dict[str, Any]:
+    """The body of the `update_weights_from_distributed` that has every worker publish what it
+    says of its engine (the extension's `refit_grpc_engine_info`, answered at once) in the
+    store at `master_address:master_port`; the engine keeps serving."""
+    return {"master_address": master_address, "master_port": master_port, "info_key": key,
+            "engine_rpc": INFO_RPC, "allow_unpaused": True, "reset_prefix_cache": False}
+
+
+def engine_info_key(key: str, rank: int) -> str:
+    """Where worker `rank` publishes its `WorkerInfo`."""
+    return f"{key}/info/{rank}"
 
 
 def serve_status_key(status_key: str) -> str:

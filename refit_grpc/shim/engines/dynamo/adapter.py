@@ -63,6 +63,8 @@ import json
 import logging
 import math
 import socket
+import time
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -94,12 +96,21 @@ from refit_grpc.shim.engines.http_engine import (
 )
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire import dynamo as routes
-from refit_grpc.wire.worker import STAGE_IDLE, STAGE_RECEIVING, ServeInfo, StageStatus
+from refit_grpc.wire.worker import (
+    STAGE_IDLE,
+    STAGE_RECEIVING,
+    ServeInfo,
+    StageStatus,
+    WorkerInfo,
+)
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+# How many times status() asks the workers what they are before giving up (`quantization` "").
+_INFO_TRIES = 3
 
 
 def dynamo_error(reply: Reply, what: str, kind: CallKind) -> RefitError:
@@ -155,6 +166,10 @@ class DynamoEngine(HttpEngine):
         super().__init__(url, packing, options=options, **fields)
         self.init_weights_timeout_s = self.options.init_weights_timeout_s
         self._world_size = self.options.world_size
+        # The workers' `WorkerInfo.quantization` (fixed for the engine's life): None until read
+        # (`_read_quantization`), "" where they cannot say (an extension without the call).
+        self._quantization: str | None = None
+        self._info_tries = 0
 
     def _error_for(self, reply: Reply, what: str, kind: CallKind) -> RefitError:
         return dynamo_error(reply, what, kind)
@@ -187,6 +202,54 @@ class DynamoEngine(HttpEngine):
         except RefitError:
             healthy = False
         return EngineStatus(healthy=healthy, paused=self._paused, weights_digest="")
+
+    @property
+    def quantization(self) -> str:
+        """vLLM's `--quantization` as the worker's workers hold it, asked of them by the first
+        Describe that finds no weight call in flight (`_read_quantization`), then kept (it is
+        fixed for the engine's life); "" until then, and where they cannot say."""
+        if self._quantization is None and self._info_tries < _INFO_TRIES \
+                and not self._weight_calls:
+            self._read_quantization()
+        return self._quantization or ""
+
+    def _read_quantization(self) -> None:
+        """Every worker publishes its `WorkerInfo` in a store this shim hosts (Dynamo discards
+        what a forwarded call returns, as for a staged receive's status): the store listens at
+        the local address that routes to the worker, the call (`refit_grpc_engine_info`) goes
+        through update_weights_from_distributed while the engine serves, and the answers are
+        read there within the status timeout. Tried `_INFO_TRIES` times at most (a worker that
+        never answers costs the first Describes a status timeout each, not every one)."""
+        import torch.distributed as dist
+
+        from refit_grpc.collective import bind_master_store
+
+        self._info_tries += 1
+        local = _local_address_towards(urllib.parse.urlsplit(self.url).hostname or "127.0.0.1")
+        key = f"refit_grpc/engine-info/{uuid.uuid4().hex}"
+        try:
+            store = bind_master_store(local, 0, 1 + self._world_size, self.status_timeout_s)
+        except (RefitError, OSError):
+            return
+        try:
+            self._post(routes.UPDATE_DISTRIBUTED, routes.engine_info_body(local, store.port, key),
+                       None, cap_s=self.status_timeout_s)
+            keys = [routes.engine_info_key(key, rank) for rank in range(self._world_size)]
+            end = time.monotonic() + self.status_timeout_s
+            while not store.check(keys):
+                if time.monotonic() > end:
+                    return
+                time.sleep(0.02)
+            names = {WorkerInfo.from_wire(json.loads(store.get(k))).quantization for k in keys}
+        except FailedPreconditionError as e:
+            if "has no attribute" in e.message:
+                self._quantization = ""  # an extension without the call: asking again is no use
+            return
+        except (RefitError, RuntimeError, dist.DistError, TypeError, ValueError) as e:
+            log.warning("engine_info: the workers' answer could not be read (%s)", e)
+            return
+        # Every worker of one engine loads one model config (as the vLLM adapter reads it).
+        self._quantization = names.pop() if len(names) == 1 else ""
 
     def check_plan(self, plan: RefitPlan) -> None:
         """Names and shapes against the worker's checkpoint, where the `checkpoint_dir` option
@@ -364,6 +427,18 @@ class DynamoEngine(HttpEngine):
         alive = self.status().healthy
         state = "still answers its liveness probe" if alive else "is gone (no liveness answer)"
         return EngineUnavailableError(f"{error.message}; the worker {state} {context}")
+
+
+def _local_address_towards(host: str) -> str:
+    """The local address this host routes to `host` from (where a worker there reaches this
+    shim): a UDP connect sends nothing, it only picks the route."""
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
 
 
 def _read_statuses(store: dist.Store, status_key: str, ranks: range,
