@@ -84,13 +84,7 @@ def reference_subject() -> Subject:
     base = {n: engine.tensor(n).clone() for n in names}
 
     def holds(plan: RefitPlan, weights: dict[str, torch.Tensor], version: int) -> None:
-        for s in plan.tensors:  # byte-exact
-            got = engine.tensor(s.name)
-            assert (tuple(got.shape), got.dtype) == (s.shape, s.dtype), s.name
-            assert torch.equal(got.reshape(-1).view(torch.uint8),
-                               weights[s.name].contiguous().reshape(-1).view(torch.uint8)), s.name
-        want = weights_digest((s.name, weights[s.name]) for s in plan.tensors)
-        assert engine.status(with_digest=True).weights_digest == want
+        holds_bytes(engine, plan, weights)
 
     def canary_truth(weights: dict[str, torch.Tensor], tokens: list[int]) -> list[float]:
         model = TinyLM(TinyLMConfig())
@@ -116,15 +110,21 @@ def reference_store_subject() -> Subject:
 
     def holds(plan: RefitPlan, weights: dict[str, torch.Tensor], version: int) -> None:
         assert engine.receives_in_place  # one buffer in plan layout: what store mode is for
-        for s in plan.tensors:
-            got = engine.tensor(s.name)
-            assert (tuple(got.shape), got.dtype) == (s.shape, s.dtype), s.name
-            assert torch.equal(got.reshape(-1).view(torch.uint8),
-                               weights[s.name].contiguous().reshape(-1).view(torch.uint8)), s.name
-        want = weights_digest((s.name, weights[s.name]) for s in plan.tensors)
-        assert engine.status(with_digest=True).weights_digest == want
+        holds_bytes(engine, plan, weights)
 
     return Subject(engine, Packing(64 * 1024, 2), base, holds)
+
+
+def holds_bytes(engine: ReferenceEngine, plan: RefitPlan,
+                weights: dict[str, torch.Tensor]) -> None:
+    """A reference engine holds exactly `weights`: every tensor byte for byte, and its digest."""
+    for s in plan.tensors:
+        got = engine.tensor(s.name)
+        assert (tuple(got.shape), got.dtype) == (s.shape, s.dtype), s.name
+        assert torch.equal(got.reshape(-1).view(torch.uint8),
+                           weights[s.name].contiguous().reshape(-1).view(torch.uint8)), s.name
+    want = weights_digest((s.name, weights[s.name]) for s in plan.tensors)
+    assert engine.status(with_digest=True).weights_digest == want
 
 
 def vllm_subject(server, trainer: dict) -> Subject:
