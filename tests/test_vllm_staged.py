@@ -62,7 +62,13 @@ from refit_grpc.shim.process import ShimProcess, spawn_shim  # noqa: E402
 from refit_grpc.staging import StagedDigest  # noqa: E402
 from refit_grpc.testing.logprobs import SEQUENCE  # noqa: E402
 from refit_grpc.testing.netns import Hosts, netns_unavailable, tc_unavailable  # noqa: E402
-from refit_grpc.testing.vllm import PROMPT, SERVED_MODEL, http_json  # noqa: E402
+from refit_grpc.testing.vllm import (  # noqa: E402
+    PROMPT,
+    SERVED_MODEL,
+    complete,
+    hf_greedy,
+    http_json,
+)
 from refit_grpc.wire.vllm import STAGE_OP_STATUS  # noqa: E402
 from refit_grpc.wire.worker import StageStatus  # noqa: E402
 
@@ -469,7 +475,8 @@ def test_a_staged_epoch_through_a_real_shim_ends_staged_then_flips_with_its_cana
     """(d) The same through a real `refit-grpc shim --engine vllm` process in front of the
     module's server: the staged UpdateWeights stream ends at STAGED with the trainer's staged
     digest, Describe says STAGED and not paused (the staging copy's bytes counted), and the Flip
-    loads, runs the epoch's canary inside its pause, resumes, and serves the new version."""
+    loads, runs the epoch's canary inside its pause, resumes, and serves the new version; a
+    prompt whose prefix was cached before the flip is computed afresh after it."""
     assert trainer["version"] >= 1, "runs after (a)"
     shim = spawn_shim("--engine", "vllm", "--engine-url", server.url, "--instance-id",
                       "staged-0", "--buffer-size-bytes", str(PACKING.buffer_size_bytes),
@@ -504,10 +511,22 @@ def test_a_staged_epoch_through_a_real_shim_ends_staged_then_flips_with_its_cana
         assert d.staging_bytes == plan.total_bytes
         assert d.weight_version != version
 
+        # A prompt of several KV blocks, served twice before the flip: the second reuses the
+        # first's cached prefix, computed with the old weights.
+        long_prompt = (SEQUENCE * 7)[:160]
+        complete(server.url, long_prompt, 4)
+        cached = complete(server.url, long_prompt, 4)["usage"]["prompt_tokens_details"]
+        assert cached["cached_tokens"] > 0, cached
+
         done = stub.Flip(pb.FlipRequest(version=version, staged_digest=sent,
                                         instance_id=shim.instance_id), timeout=EPOCH_S)
         assert (done.version, done.resumed) == (version, True), done
         assert 0 <= done.canary.max_abs_gap <= FP32_TOL, done.canary
+        # The flip's pause cleared the caches (vLLM's pause_clears_cache: no reset after the
+        # load): nothing of the old weights' prefix is reused, and the tokens are the new ones.
+        after = complete(server.url, long_prompt, 4)
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, after["usage"]
+        assert after["token_ids"] == hf_greedy(trainer["model"], long_prompt, 4)
         print(f"\nthrough the shim: flip stall {done.stall_seconds * 1e3:.0f} ms (load "
               f"{done.load_seconds * 1e3:.0f} ms), canary gap {done.canary.max_abs_gap:.1e}")
         trainer["version"] = version

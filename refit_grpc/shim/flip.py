@@ -133,8 +133,9 @@ def load(core: ShimCore, staged: StagedVersion, mode: PauseMode, stay_paused: bo
     canary_result = score_canary(engine, staged.canary, deadline) if staged.canary else None
     with core.lock:
         core.commit_locked(staged.version, canary_result)
-    if not keep_cache:
-        # The caches hold values computed with the old weights.
+    if not keep_cache and not engine.pause_clears_cache:
+        # The caches hold values computed with the old weights (an engine whose pause cleared
+        # them had nothing computed since: it was paused).
         engine.reset_cache(deadline)
     resumed = not stay_paused and not was_paused
     if resumed:

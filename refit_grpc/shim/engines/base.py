@@ -153,6 +153,14 @@ class Engine(ABC):
         reads it at each request."""
         return Capabilities()
 
+    @property
+    def pause_clears_cache(self) -> bool:
+        """True when `pause()` (without keep_cache) already clears every cache the engine keeps,
+        the running requests' KV included, and nothing can fill them again before `resume()`:
+        a flip then need not clear them after its load (one round trip less in its stall).
+        False by default: the flip calls `reset_cache` after the load."""
+        return False
+
     def is_paused(self) -> bool:
         """Whether the engine is paused, as cheaply as the engine can tell (the epoch asks it
         on the refit path, to know whether to resume after a refusal)."""

@@ -241,6 +241,14 @@ class VLLMEngine(HttpEngine):
     def _post_resume(self, deadline: Deadline) -> None:
         self._http.call("POST", "/resume", deadline, what="resume")
 
+    @property
+    def pause_clears_cache(self) -> bool:
+        """`/pause?clear_cache=true` (`_post_pause`) ends in vLLM 0.32's
+        `EngineCore._finish_pause(clear_cache=True)` in every mode, keep included: the prefix
+        cache reset with the running requests' blocks (`reset_running_requests`), then nothing
+        is scheduled until /resume (read in vllm/v1/engine/core.py)."""
+        return True
+
     def reset_cache(self, deadline: Deadline) -> bool:
         # vLLM refuses (success=false) while running requests still hold blocks; after a
         # drain that is a matter of milliseconds.
