@@ -124,7 +124,9 @@ def test_an_engine_waiting_for_its_ranks_join_leaves_on_its_own_cancel_or_deadli
     spec = GroupSpec("127.0.0.1", store.port, 2, 1, "gloo", "waits")
     cancel = threading.Event()
     threading.Timer(0.5, cancel.set).start()
-    out = _on_threads([lambda: rank.join(spec, 3.0),
+    # The leader waits 6 s: at 3 s a CI run loaded by other modules once had the other engine
+    # reach its join only after the leader had given up, and it took the leader's error.
+    out = _on_threads([lambda: rank.join(spec, 6.0),
                        lambda: (time.sleep(0.1), rank.join(spec, 30.0, cancel=cancel))])
     assert isinstance(out[1], RefitError) and out[1].reason == Reason.EPOCH_ABORTED, out
     # The leader's own failure (no rank 0 in time) reaches it with its reason.
