@@ -183,7 +183,7 @@ from refit_grpc.staging import StagedDigest
 addresses = sys.argv[1:]
 w = {f"layer.{i}": torch.randn(256 * 1024) for i in range(8)}
 fleet = Fleet([WorkerEndpoint(f"w{i}", a) for i, a in enumerate(addresses)],
-              packing=Packing(1 << 20, 2), epoch_timeout_s=60, flip_timeout_s=4.0)
+              packing=Packing(1 << 20, 2), epoch_timeout_s=60, flip_timeout_s=10.0)
 fleet.prepare({n: (t.shape, t.dtype) for n, t in w.items()})
 link = fleet.connect("127.0.0.1")
 handle = fleet.update_weights(1, epoch=Staged())
@@ -213,7 +213,7 @@ def test_a_trainer_killed_before_the_flip_costs_only_the_flip_timeout(shim_procs
         trainer.wait(10)
         t0 = time.monotonic()
         while any(describe_or_none(a).staged_version for a in addresses):
-            assert time.monotonic() - t0 < 12, "a staged copy outlived its flip timeout"
+            assert time.monotonic() - t0 < 25, "a staged copy outlived its flip timeout"
             time.sleep(0.05)
         dropped_after = time.monotonic() - t0
         seen = watch.stop()
@@ -227,7 +227,7 @@ def test_a_trainer_killed_before_the_flip_costs_only_the_flip_timeout(shim_procs
         assert "no Flip in time" in d.last_error
         assert not any(paused for _, paused in seen[a])
     print(f"\nFAULT staged trainer killed before the flip: copies dropped {dropped_after:.2f}s "
-          "after (flip timeout 4 s from STAGED), never paused")
+          "after (flip timeout 10 s from STAGED), never paused")
 
 
 class CorruptStaging(ReferenceEngine):
