@@ -109,7 +109,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How many times status() asks the workers what they are before giving up (`quantization` "").
+# How many times Describe asks the workers what they are before giving up (`quantization` "").
 _INFO_TRIES = 3
 
 
