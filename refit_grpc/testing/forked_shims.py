@@ -79,8 +79,13 @@ class _PopenOf:
         return code
 
     def send_signal(self, signum: int) -> None:
+        # As `Popen.send_signal` does (bpo-40550): the exit code comes from the fork server, so
+        # the process may already be gone (reaped there) while `exitcode` still says None.
         if self._process.exitcode is None:
-            os.kill(self.pid, signum)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         self._process.kill()
