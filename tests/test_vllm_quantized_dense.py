@@ -11,8 +11,9 @@ mxfp8 and mxfp4 do not start on vLLM CPU: docs/vllm.md.)
 fp8 is a floating-point format, so a large row scale costs the rest of the row precision only
 once its weights fall into fp8's subnormal range; on the tiny Llama as built fp8 moves a
 log-probability by 0.025-0.045 only (measured). The model is planted so that it matters
-(`plant_fp8`): in each row one weight 200,000 or 300,000 times the row's RMS (alternating, so
-every scale moves at every version), on an input channel that is always zero, and one huge
+(`vllm_support.quantized.plant_fp8`): in each row one weight 200,000 or 300,000 times the
+row's RMS (alternating, so every scale moves at every version), on an input channel that is
+always zero, and one huge
 activation channel (gain 100,000) that sets every token's scale and that no output reads. fp8
 then moves log-probabilities by 0.27-0.42 (measured offline), the emulation follows the engine
 within 0.001-0.019.
@@ -30,7 +31,6 @@ within 0.001-0.019.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from vllm_support import require_vllm, tiny_model_dir
 from vllm_support.servers import module_pool
@@ -47,50 +47,13 @@ from vllm_support.quantized import (  # noqa: E402
     QuantizedTrainer,
     canary_fails_stale_scales,
     fresh_engine_agrees,
+    plant_fp8,
     refit_versions,
 )
 from vllm_support.truth import load_model  # noqa: E402
 
 QUANT_ARGS = ("--quantization", FP8_DENSE)
 FP8, STALE = "fp8-0", "fp8-stale-scales"
-ACTIVATION_GAIN = 1e5
-
-
-def plant_fp8(model, version: int) -> None:
-    """Make fp8 matter, and its scales move at every version (module docstring).
-
-    Weights: channel 0 of both norms' outputs is zero, so q/k/v and gate/up see zeros there; so
-    do o_proj (v's row 0 is zero but for its outlier, so attention's output channel 0 is zero)
-    and down_proj (gate's row 0 is zero: silu(0) * up = 0). Column 0 of every row of the seven
-    projections then holds +-k times the rest of the row's RMS: it alone sets the row's scale.
-
-    Activations: channel 1 of both norms' outputs is multiplied by ACTIVATION_GAIN. q/k/v and
-    gate/up read it only through v's row 1 and gate's and up's row 1, which carry it on (into
-    attention's output channel 1 and the intermediate channel 1, both huge), and o_proj's and
-    down_proj's column 1 are zero: it sets every token's fp8 scale at every linear input and
-    decides no output."""
-    k = 2e5 if version % 2 == 0 else 3e5
-    with torch.no_grad():
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.weight[0], norm.weight[1] = 0.0, ACTIVATION_GAIN
-            attn.v_proj.weight[0, :] = 0.0
-            mlp.gate_proj.weight[0, :] = 0.0
-            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                lin.weight[:, 1] = 0.0
-            attn.v_proj.weight[1, :] = 0.0
-            attn.v_proj.weight[1, 1] = 1.0
-            for lin in (mlp.gate_proj, mlp.up_proj):
-                lin.weight[1, :] = 0.0
-                lin.weight[1, 1] = 1e-3
-            attn.o_proj.weight[:, 1] = 0.0
-            mlp.down_proj.weight[:, 1] = 0.0
-            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                        mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                w = lin.weight
-                rms = w[:, 2:].pow(2).mean(dim=-1).sqrt()
-                w[:, 0] = k * rms * torch.where(w[:, 0] >= 0, 1.0, -1.0)
 
 
 @pytest.fixture(scope="module")

@@ -83,11 +83,12 @@ class QuantizedTrainer:
         self.plant(self.model, self.version)
         return self.version, to_send(self.model)
 
-    def gaps(self, url: str, sequence: Sequence[int] = HELD_OUT
-             ) -> tuple[torch.Tensor, float, float]:
+    def gaps(self, engine: str | Callable[[Sequence[int]], torch.Tensor],
+             sequence: Sequence[int] = HELD_OUT) -> tuple[torch.Tensor, float, float]:
         """The engine's log-probabilities on `sequence`, its gap to the reference and to plain
-        bf16 there."""
-        got = engine_logprobs(url, sequence)
+        bf16 there. `engine`: a vLLM server's URL, or what reads an engine's teacher-forced
+        log-probabilities (a Dynamo worker's, through its frontend)."""
+        got = engine_logprobs(engine, sequence) if isinstance(engine, str) else engine(sequence)
         return (got, (got - hf_logprobs(self.reference(), sequence)).abs().max().item(),
                 (got - hf_logprobs(bf16(self.model), sequence)).abs().max().item())
 
@@ -185,3 +186,45 @@ def canary_fails_stale_scales(stale, rig, trainer: QuantizedTrainer) -> None:
           f"{worker.canary_gap:.2e} on the good one (tolerance {QUANT_TOL})")
     assert gap > 3 * QUANT_TOL, gap
     assert worker.canary_gap is not None and worker.canary_gap <= QUANT_TOL, worker
+
+
+# The gain of the activation channel `plant_fp8` makes huge (it sets every token's fp8 scale).
+ACTIVATION_GAIN = 1e5
+
+
+def plant_fp8(model, version: int) -> None:
+    """Make fp8 matter, and its scales move at every version (tests/test_vllm_quantized_dense.py's
+    docstring says why it must be planted).
+
+    Weights: channel 0 of both norms' outputs is zero, so q/k/v and gate/up see zeros there; so
+    do o_proj (v's row 0 is zero but for its outlier, so attention's output channel 0 is zero)
+    and down_proj (gate's row 0 is zero: silu(0) * up = 0). Column 0 of every row of the seven
+    projections then holds +-k times the rest of the row's RMS: it alone sets the row's scale.
+
+    Activations: channel 1 of both norms' outputs is multiplied by ACTIVATION_GAIN. q/k/v and
+    gate/up read it only through v's row 1 and gate's and up's row 1, which carry it on (into
+    attention's output channel 1 and the intermediate channel 1, both huge), and o_proj's and
+    down_proj's column 1 are zero: it sets every token's fp8 scale at every linear input and
+    decides no output."""
+    k = 2e5 if version % 2 == 0 else 3e5
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[0], norm.weight[1] = 0.0, ACTIVATION_GAIN
+            attn.v_proj.weight[0, :] = 0.0
+            mlp.gate_proj.weight[0, :] = 0.0
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                lin.weight[:, 1] = 0.0
+            attn.v_proj.weight[1, :] = 0.0
+            attn.v_proj.weight[1, 1] = 1.0
+            for lin in (mlp.gate_proj, mlp.up_proj):
+                lin.weight[1, :] = 0.0
+                lin.weight[1, 1] = 1e-3
+            attn.o_proj.weight[:, 1] = 0.0
+            mlp.down_proj.weight[:, 1] = 0.0
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                        mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                w = lin.weight
+                rms = w[:, 2:].pow(2).mean(dim=-1).sqrt()
+                w[:, 0] = k * rms * torch.where(w[:, 0] >= 0, 1.0, -1.0)
