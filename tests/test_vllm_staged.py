@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import http.client
 import json
+import re
 import secrets
 import signal
 import threading
@@ -89,6 +90,10 @@ EPOCH_S = 60.0
 # long enough for the engine to stream tokens inside it.
 PACKING = Packing(128 * 1024, 2)
 PACE_S = 0.15  # (a): the trainer's pause after each bucket it sends
+# What a flip installs from the preparation (vllm_plugin/prepared.py): per decoder layer of the
+# tiny Qwen2-MoE, qkv_proj, o_proj, the router gate, the shared expert's gate_up_proj and
+# down_proj and its gate; 2 layers.
+PREPARED_LAYERS = 2 * 6
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +203,13 @@ def worker_statuses(url: str) -> list[StageStatus]:
         "method": "weight_transfer_engine", "kwargs": {"op": STAGE_OP_STATUS, "payload": "{}"}})
     assert status == 200, body
     return [StageStatus.from_wire(r) for r in body["results"]]
+
+
+def installed_layers(server) -> list[int]:
+    """How many prepared layers each flip so far installed, from the engine's log (every worker
+    logs one line per flip; one worker here)."""
+    text = server.log_path.read_text(errors="replace")
+    return [int(m) for m in re.findall(r"the flip installed (\d+) prepared layers", text)]
 
 
 def assert_serves(url: str, model, what: str) -> torch.Tensor:
@@ -386,13 +398,19 @@ def test_every_flip_serves_the_trainers_log_probabilities(server, engine, traine
         assert staging.error is None and staging.digest == sent, staging.error
         assert (engine_logprobs(server.url) - before).abs().max().item() == 0.0, \
             "staging changed what the engine computes"
+        flips = installed_layers(server)
         stall = flip(engine, version)
         trainer["version"] = version
         after = assert_serves(server.url, trainer["model"], f"v{version} after the flip")
         moved = (after - before).abs().max().item()
+        installed = installed_layers(server)[len(flips):]
         print(f"v{version}: staged in {staging.ended_at - staging.started_at:.3f}s, flip stall "
-              f"{stall * 1e3:.0f} ms, moved {moved:.3f}")
+              f"{stall * 1e3:.0f} ms, moved {moved:.3f}, prepared layers installed {installed}")
         assert moved >= MIN_MOVE
+        # The model's dense linear layers (attention, the shared expert, the router) were
+        # prepared beside the engine loop and installed; the experts, norms and the tied
+        # embedding went through the loader, and the log-probabilities above prove both.
+        assert installed == [PREPARED_LAYERS], installed
         assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(version)}
 
 

@@ -101,8 +101,12 @@ class ShimCalls:
         retry = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception(_unavailable),
             # Long enough to outlast the channel's reconnect backoff (max 1 s): a shim that just
-            # restarted must be reached, not declared gone after a burst of instant failures.
-            wait=tenacity.wait_random_exponential(multiplier=0.1, max=2.0),
+            # restarted must be reached, not declared gone after a burst of instant failures
+            # (a channel in backoff fails every call at once). Growing for sure, jittered a
+            # little: fully random waits could all come out short (seen once in CI: a
+            # restarted shim refused a catch-up's Prepare, every retry inside the backoff).
+            wait=(tenacity.wait_exponential(multiplier=0.1, max=2.0)
+                  + tenacity.wait_random(0, 0.1)),
             stop=(tenacity.stop_after_attempt(self.config.retry_attempts - 1)
                   | tenacity.stop_after_delay(self.config.control_timeout_s
                                               - (time.monotonic() - started))),

@@ -1,13 +1,15 @@
-"""The stall a user of a real vLLM engine feels during a refit: in place, staged, and staged with
-the cache kept across the flip.
+"""The stall a user of a real vLLM engine feels during a refit: in place, staged (the flip
+installs linear layers prepared while staging), staged loading every layer at the flip (the flip
+before that preparation), and staged with the cache kept across the flip.
 
 One vLLM CPU server of a small Llama, a real `refit-grpc shim --engine vllm` process in front of
 it and a one-worker `Fleet` (`refit_grpc.testing.harness.Run`). A load generator in a process of
 its own keeps a few streamed completions running (`/v1/completions`, `stream: true`, restarted as
 they finish) and records when every token arrives; meanwhile the trainer refits the engine with
-trained-looking versions (the checkpoint plus small noise), in-place, staged and keep-cache
-epochs (staged, `Staged(keep_cache=True)`: the parked requests keep their KV cache across the
-flip) interleaved after one warm-up of each, with a steady stretch between epochs.
+trained-looking versions (the checkpoint plus small noise), in-place, staged, staged-loader
+and keep-cache epochs (staged, `Staged(keep_cache=True)`: the parked requests keep their KV
+cache across the flip) interleaved after one warm-up of each, with a steady stretch between
+epochs.
 
 Per epoch: the longest gap between two consecutive tokens of one streamed request that overlaps
 the epoch (the stall a user sees), the engine's own stall (in place: the whole `refit()` with its
@@ -38,7 +40,11 @@ from refit_grpc.driver.options import InPlace, Staged
 from refit_grpc.testing.harness import Run, run_reported
 
 IN_PLACE, STAGED, KEEP_CACHE = "in_place", "staged", "keep_cache"
-MODES = (IN_PLACE, STAGED, KEEP_CACHE)
+# Staged, but every layer loaded at the flip: the flip before its linear layers were prepared
+# beside the engine loop (`vllm_plugin.prepared`; the workers' `configure` operation turns the
+# preparation off for these epochs only).
+STAGED_LOADER = "staged_loader"
+MODES = (IN_PLACE, STAGED, STAGED_LOADER, KEEP_CACHE)
 # Tokens around an epoch that count neither for it nor for steady state: the engine catches up
 # right after a resume (a burst), and the trainer's own work is not steady state either.
 MARGIN_S = 0.5
@@ -52,7 +58,8 @@ class Epoch:
     """One refit, as the trainer saw it.
 
     Args:
-        mode: `IN_PLACE`, `STAGED` or `KEEP_CACHE` (staged, the cache kept across the flip).
+        mode: `IN_PLACE`, `STAGED`, `STAGED_LOADER` (staged, every layer loaded at the flip)
+            or `KEEP_CACHE` (staged, the cache kept across the flip).
         version: the version it made the engine serve.
         start: `time.monotonic()` when `refit()` was called.
         end: when it returned (in place: after the flush).
@@ -249,6 +256,11 @@ def report_lines(an: Analysis) -> list[str]:
               f"{st['gap'] / ip['gap']:.2f}x",
               f"staged stall / the flip's own load: {per_epoch:.2f}x (median per epoch; "
               "goal <= 1.2x)"]
+    if STAGED_LOADER in med:
+        lo = med[STAGED_LOADER]
+        lines += [f"staged, every layer loaded at the flip: stall / in-place stall "
+                  f"{lo['stall'] / ip['stall']:.2f}x; the prepared flip's stall against it "
+                  f"{st['stall'] / lo['stall']:.2f}x, its load {st['load'] / lo['load']:.2f}x"]
     if KEEP_CACHE in med:
         kc = med[KEEP_CACHE]
         bound = 2 * an.steady_median_gap_s + kc["stall"]
@@ -449,8 +461,12 @@ def _measure(run: Run, result: dict[str, Any], pairs: int, streams: int, max_tok
     try:
         time.sleep(steady_s + 0.3 * streams + 5.0)  # the load process starts, then steadies
         t0 = time.monotonic() - steady_s
+        prepared = True  # the workers' default
         for i, (mode, warmup) in enumerate(schedule):
             version = i + 1
+            if mode != IN_PLACE and prepared != (mode != STAGED_LOADER):
+                prepared = mode != STAGED_LOADER
+                configure_flip(server.url, prepared)
             start = time.monotonic()
             report = fleet.refit(link, weights[i], version=version,
                                  epoch=InPlace() if mode == IN_PLACE else
@@ -476,6 +492,18 @@ def _measure(run: Run, result: dict[str, Any], pairs: int, streams: int, max_tok
     run.say(f"{sum(map(len, requests))} tokens in {len(requests)} streamed requests")
     result.update(analysis=analyze(requests, epochs, t0, t1), requests=requests, t0=t0, t1=t1,
                   title=title)
+
+
+def configure_flip(url: str, prepare: bool) -> None:
+    """Whether the vLLM server's workers prepare the next flips' linear layers while staging
+    (`refit_grpc.wire.vllm.STAGE_OP_CONFIGURE`), between epochs."""
+    from refit_grpc.testing.vllm import http_json
+    from refit_grpc.wire.vllm import STAGE_OP_CONFIGURE, stage_rpc_body
+
+    status, body = http_json("POST", url, "/collective_rpc",
+                             stage_rpc_body(STAGE_OP_CONFIGURE, {"prepare_flip": prepare}), 30.0)
+    if status != 200:
+        raise RuntimeError(f"configure prepare_flip={prepare}: HTTP {status}: {body}")
 
 
 # --- the figure -------------------------------------------------------------------------------
@@ -527,12 +555,14 @@ def draw(requests: Sequence[Sequence[float]], epochs: Sequence[Epoch], t0: float
         top.plot([t - t0 for t in s], range(1, len(s) + 1), lw=0.8, label=f"stream {i}")
     _shade(top, epochs, t0)
     for e in epochs:
-        top.text(e.start - t0, 0, {IN_PLACE: "P", STAGED: "S", KEEP_CACHE: "K"}[e.mode],
+        top.text(e.start - t0, 0, {IN_PLACE: "P", STAGED: "S", STAGED_LOADER: "L",
+                                   KEEP_CACHE: "K"}[e.mode],
                  fontsize=7, va="bottom")
     top.set_xlim(0, t1 - t0)
     top.set_xlabel("seconds")
     top.set_ylabel("tokens streamed (cumulative)")
-    top.set_title(f"{title}: in place (P), staged (S) and keep-cache (K) interleaved")
+    top.set_title(f"{title}: in place (P), staged (S), staged loading every layer at the "
+                  "flip (L) and keep-cache (K) interleaved")
     top.legend(handles=[Patch(color=_COLOURS["pause"], alpha=0.3, label="in place: paused"),
                         Patch(color=_COLOURS["staging"], alpha=0.15, label="staged: staging"),
                         Patch(color=_COLOURS["flip"], alpha=0.5, label="staged: flip")],
@@ -563,6 +593,6 @@ def draw(requests: Sequence[Sequence[float]], epochs: Sequence[Epoch], t0: float
     return path
 
 
-__all__ = ["IN_PLACE", "KEEP_CACHE", "MODES", "STAGED", "Analysis", "Epoch", "EpochStats",
-           "analyze", "classify", "draw", "gaps", "longest_gap", "report_lines", "resume_lag",
-           "run_stall_bench", "steady_windows", "tokens_between"]
+__all__ = ["IN_PLACE", "KEEP_CACHE", "MODES", "STAGED", "STAGED_LOADER", "Analysis", "Epoch",
+           "EpochStats", "analyze", "classify", "configure_flip", "draw", "gaps", "longest_gap",
+           "report_lines", "resume_lag", "run_stall_bench", "steady_windows", "tokens_between"]

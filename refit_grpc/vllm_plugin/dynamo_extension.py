@@ -238,7 +238,7 @@ class RefitGlooWorkerExtension:
         receiver = getattr(self, "_refit_grpc_state", None)
         if receiver is None:
             return {"state": "idle"}
-        return receiver.staged.drop().to_wire()
+        return receiver.drop_staged().to_wire()
 
     def _refit_grpc_receiver(self):
         from refit_grpc.vllm_plugin.layerwise import LayerwiseReceiver

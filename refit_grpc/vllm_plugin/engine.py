@@ -135,7 +135,8 @@ class RefitGlooWeightTransferEngine(
             op: `stage` (payload: the update_info of the plan), `stage_status`,
                 `drop_staged`, `serve_copy` (payload: a `ServeInfo`; the engine's rank-0
                 worker serves a catch-up from its committed copy), `cancel_serve`,
-                `restore_previous`, or `engine_info` (what the worker says of its engine).
+                `restore_previous`, `engine_info` (what the worker says of its engine), or
+                `configure` (payload {"prepare_flip": bool}).
             payload: JSON.
 
         Returns:
@@ -147,7 +148,7 @@ class RefitGlooWeightTransferEngine(
             wire_vllm.STAGE_OP_START: lambda: receiver.stage(
                 self.parse_update_info(json.loads(payload or "{}"))),
             wire_vllm.STAGE_OP_STATUS: staged.status,
-            wire_vllm.STAGE_OP_DROP: staged.drop,
+            wire_vllm.STAGE_OP_DROP: receiver.drop_staged,
             wire_vllm.STAGE_OP_SERVE: lambda: receiver.serve(
                 ServeInfo(**json.loads(payload or "{}")), self.worker_rank(0)),
             wire_vllm.STAGE_OP_CANCEL_SERVE: staged.cancel_serve,
@@ -156,11 +157,19 @@ class RefitGlooWeightTransferEngine(
                 quantization=self.model_config.quantization or NO_QUANTIZATION),
             wire_vllm.STAGE_OP_CHECK_ADAPTER: lambda: self._check_adapter(payload),
             wire_vllm.STAGE_OP_COMMIT_ADAPTER: lambda: self._commit_adapter(payload),
+            wire_vllm.STAGE_OP_CONFIGURE: lambda: self._configure(payload),
         }
         operation = operations.get(op)
         if operation is None:
             raise ValueError(f"refit_grpc gloo: unknown operation {op!r}")
         return operation().to_wire()
+
+    def _configure(self, payload: str) -> StageStatus:
+        """Whether later stages prepare their flip's linear layers (`prepared.py`)."""
+        args = json.loads(payload or "{}")
+        if "prepare_flip" in args:
+            self.receiver.prepare_flip = bool(args["prepare_flip"])
+        return self.receiver.staged.status()
 
     def _check_adapter(self, payload: str) -> AdapterProblem:
         """Prepare of an adapter plan: what vLLM would refuse when it builds the adapter

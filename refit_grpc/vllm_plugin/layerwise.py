@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,8 +66,9 @@ from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
 from refit_grpc.vllm_plugin.faults import StaleScales
 from refit_grpc.vllm_plugin.moe import ExpertsReprocessing
+from refit_grpc.vllm_plugin.prepared import PreparedLayers, prepare
 from refit_grpc.vllm_plugin.staged import StagedReceive
-from refit_grpc.wire.vllm import SOURCE_STAGED, GlooInitInfo, GlooUpdateInfo
+from refit_grpc.wire.vllm import PREPARE_FLIP_ENV, SOURCE_STAGED, GlooInitInfo, GlooUpdateInfo
 from refit_grpc.wire.vllm import worker_rank as wire_worker_rank
 from refit_grpc.wire.worker import ServeInfo, StageStatus, applied_marker
 
@@ -102,6 +104,11 @@ class LayerwiseReceiver:
         # A flip's version once its load succeeded: the copy becomes the committed copy when
         # the session finishes (`finish`), not before (a failed finalize leaves none).
         self._flipped: int | None = None
+        # Linear layers built from the complete staged copy beside the engine loop
+        # (`prepared.py`); the flip in progress installs them when its session finishes.
+        self._prepared: PreparedLayers | None = None
+        self._installing: PreparedLayers | None = None
+        self.prepare_flip = os.environ.get(PREPARE_FLIP_ENV, "1") != "0"
 
     @property
     def joined(self) -> bool:
@@ -147,10 +154,12 @@ class LayerwiseReceiver:
         posted) and raise a RuntimeError whose message starts with the applied marker."""
         self.applied, self.total = 0, 0
         self._flipped = None
+        self._installing = None
         staged = update_info.source == SOURCE_STAGED
         if not staged:
             # The live weights are about to change without the copy.
             self.staged.forget_committed()
+            self._prepared = None
         try:
             if staged:
                 self._load_staged(update_info)
@@ -241,18 +250,29 @@ class LayerwiseReceiver:
         self.total = len(plan.buckets)
         deadline = Deadline(update_info.timeout_s or 600.0)
         apply = self._loader(plan)
+        # The layers prepared from this very copy are installed at `finish`; the loader takes
+        # every other tensor.
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared.digest != update_info.staged_digest:
+            prepared = None
+        skip = prepared.names if prepared is not None else frozenset()
+        self._installing = prepared  # a failed load's rollback tells vLLM not to expect them
         t0 = time.monotonic()
         with disable_mtp_completeness_check():
             for bucket in plan.buckets:
                 deadline.check(f"load of staged bucket {bucket.index}")
-                apply(bucket, unpack(self.staged.copy.bucket_view(bucket),
-                                     plan.tensors[bucket.start:bucket.stop]))
+                apply(bucket, ((spec, raw) for spec, raw in unpack(
+                    self.staged.copy.bucket_view(bucket), plan.tensors[bucket.start:bucket.stop])
+                    if spec.name not in skip))
         self._flipped = update_info.version or 0
         seconds = time.monotonic() - t0
         self.last_stats = {"buckets": len(plan.buckets), "bytes": plan.total_bytes,
-                           "seconds": seconds, "rank": self.rank, "source": SOURCE_STAGED}
-        log.info("refit_grpc gloo: loaded the staged copy, %d buckets, %d bytes in %.3fs",
-                 len(plan.buckets), plan.total_bytes, seconds)
+                           "seconds": seconds, "rank": self.rank, "source": SOURCE_STAGED,
+                           "prepared_layers": len(prepared.shadows) if prepared else 0}
+        log.info("refit_grpc gloo: loaded the staged copy, %d buckets, %d bytes in %.3fs "
+                 "(%d tensors of %d prepared layers taken from the preparation)",
+                 len(plan.buckets), plan.total_bytes, seconds, len(skip),
+                 len(prepared.shadows) if prepared else 0)
 
     # --- staged epochs: the receive beside the engine loop (staged.py) ---------------------
 
@@ -266,9 +286,22 @@ class LayerwiseReceiver:
                                "join the group first")
         plan = update_info.plan(info.packing)
         deadline = Deadline(update_info.timeout_s or info.timeout_s)
+        self._prepared = None
+        prepare_flip = self.prepare_flip and plan.adapter is None
         return self.staged.start(group, plan, deadline, self.rank, on_failure=group.close,
                                  delta=bool(update_info.delta),
-                                 keep_previous=bool(update_info.reversible))
+                                 keep_previous=bool(update_info.reversible),
+                                 on_complete=self._prepare_flip if prepare_flip else None)
+
+    def _prepare_flip(self, plan: RefitPlan, digest: str) -> None:
+        """On the staged receive's thread, the copy complete: build the linear layers the flip
+        will install (`prepared.prepare`)."""
+        self._prepared = prepare(self.model, self.model_config, plan, self.staged.copy, digest)
+
+    def drop_staged(self) -> StageStatus:
+        """Forget the staged copy (`StagedReceive.drop`) and the layers prepared from it."""
+        self._prepared = None
+        return self.staged.drop()
 
     def serve(self, info: ServeInfo, engine_rank: int) -> StageStatus:
         """A catch-up from this engine: its rank-0 worker broadcasts its committed copy to the
@@ -296,6 +329,9 @@ class LayerwiseReceiver:
         for tie in self._tied:
             tie.expect_nothing_of_its_own()
         flipped, self._flipped = self._flipped, None
+        installing, self._installing = self._installing, None
+        if installing is not None:
+            installing.expect_nothing()
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         except BaseException:
@@ -304,6 +340,9 @@ class LayerwiseReceiver:
             raise
         finally:
             self._end_experts_reprocessing()
+        if installing is not None:
+            installed = installing.install()
+            log.info("refit_grpc gloo: the flip installed %d prepared layers", installed)
         self._refresh_tied_heads()
         if flipped is not None:
             self.staged.committed(flipped)
@@ -336,9 +375,12 @@ class LayerwiseReceiver:
                 info.loaded_weights = []
                 info.load_numel = 0
                 partial += 1
+        installing, self._installing = self._installing, None
         try:
             for tie in self._tied:
                 tie.expect_nothing_of_its_own()
+            if installing is not None:  # never installed: those layers keep their weights
+                installing.expect_nothing()
             finalize_layerwise_reload(self.model, self.model_config)
             # A completed embedding keeps its new values: its tied head must follow it.
             self._refresh_tied_heads()

@@ -93,7 +93,8 @@ class StagedReceive:
 
     def start(self, group: Group, plan: RefitPlan, deadline: Deadline, rank: int,
               on_failure: Callable[[], None], delta: bool = False,
-              keep_previous: bool = False) -> StageStatus:
+              keep_previous: bool = False,
+              on_complete: Callable[[RefitPlan, str], None] | None = None) -> StageStatus:
         """Start receiving `plan` from `group` into the copy; returns at once.
 
         Args:
@@ -106,6 +107,9 @@ class StagedReceive:
                 out by the same plan (the shim checked its digest is the trainer's base).
             keep_previous: a reversible epoch: the committed copy is kept as the previous copy
                 and the receive lands beside it (`StagingCopy.allocate`).
+            on_complete: runs on the receive's thread once the copy is complete, with the plan
+                and the staged digest, before the status says staged (the flip's preparation,
+                `prepared.prepare`); what it raises is logged, never a failed stage.
 
         Returns:
             The status right after the start (`STAGE_RECEIVING`).
@@ -130,7 +134,8 @@ class StagedReceive:
             self._state, self._landed, self._digest = STAGE_RECEIVING, 0, ""
             self._error = self._reason = ""
             thread = threading.Thread(target=self._run,
-                                      args=(group, plan, deadline, on_failure, delta),
+                                      args=(group, plan, deadline, on_failure, delta,
+                                            on_complete),
                                       daemon=True, name="refit-staged-receive")
             self._thread = thread
         thread.start()
@@ -142,7 +147,8 @@ class StagedReceive:
                     and held.digest == plan.digest)
 
     def _run(self, group: Group, plan: RefitPlan, deadline: Deadline,
-             on_failure: Callable[[], None], delta: bool) -> None:
+             on_failure: Callable[[], None], delta: bool,
+             on_complete: Callable[[RefitPlan, str], None] | None) -> None:
         digest = StagedDigest(plan)
         copy = self.copy
 
@@ -175,10 +181,16 @@ class StagedReceive:
             on_failure()
             return
         copy.complete(staged)
-        with self._lock:
-            self._state, self._digest = STAGE_STAGED, staged
         log.info("refit_grpc gloo: staged %d buckets, %d bytes in %.3fs, digest %s",
                  len(plan.buckets), plan.total_bytes, time.monotonic() - t0, staged[:12])
+        if on_complete is not None:
+            try:
+                on_complete(plan, staged)
+            except Exception:  # noqa: BLE001  (the flip loads everything itself then)
+                log.exception("refit_grpc gloo: preparing the flip failed; the flip will load "
+                              "every layer")
+        with self._lock:
+            self._state, self._digest = STAGE_STAGED, staged
 
     def status(self) -> StageStatus:
         """What the staged receive is doing, or what it ended with."""

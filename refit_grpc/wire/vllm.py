@@ -58,9 +58,16 @@ STAGE_OP_INFO = "engine_info"
 # from `adapter_path(name, version)`.
 STAGE_OP_CHECK_ADAPTER = "check_adapter"
 STAGE_OP_COMMIT_ADAPTER = "commit_adapter"
+# Whether the worker prepares a flip's linear layers beside the engine loop once a stage is
+# complete (`vllm_plugin.prepared`; payload {"prepare_flip": bool}; returns the status). Its
+# default is the worker's environment (`PREPARE_FLIP_ENV`); a bench compares both flips.
+STAGE_OP_CONFIGURE = "configure"
 STAGE_OPS = (STAGE_OP_START, STAGE_OP_STATUS, STAGE_OP_DROP, STAGE_OP_SERVE,
              STAGE_OP_CANCEL_SERVE, STAGE_OP_RESTORE, STAGE_OP_INFO, STAGE_OP_CHECK_ADAPTER,
-             STAGE_OP_COMMIT_ADAPTER)
+             STAGE_OP_COMMIT_ADAPTER, STAGE_OP_CONFIGURE)
+# "0" in a vLLM server's environment: its workers load every layer at the flip (no prepared
+# layers: one processed copy of the linear layers less between a stage and its flip).
+PREPARE_FLIP_ENV = "REFIT_GRPC_PREPARE_FLIP"
 # The `lora_path` of an adapter held in the workers' memory: no file is behind it; the project's
 # loader (`vllm_plugin.adapters`) builds the adapter from the held tensors of that version.
 ADAPTER_PATH_PREFIX = "refit-grpc-adapter://"

@@ -176,26 +176,28 @@ GREEDY = 8
 def refit_versions(rig: Rig, trainer: dict, *, with_lm_head: bool = True,
                    send_dtype: torch.dtype | None = None, tol: float = FP32_TOL,
                    reference=lambda model: model, greedy: bool = True,
-                   noise=None, send=None) -> list[float]:
+                   noise=None, send=None, epochs=None) -> list[float]:
     """VERSIONS trained versions into `rig`: after each, teacher-forced log-probabilities equal
     the trainer's (within `tol`) and moved since the version before. `send(model)` is what the
     trainer sends (default: its state dict, `state_dict_to_send`); `reference` turns the
     trainer's model into the one the engine must match (a bf16 copy for a bf16 engine);
-    `noise(model)`, printed only, is what rounding alone does to the reference. Returns the
+    `noise(model)`, printed only, is what rounding alone does to the reference; `epochs`, one
+    per version, what each is (`InPlace()`, `Staged()`; default: in place). Returns the
     gaps."""
     model = trainer["model"]
     engine = engine_logprobs(rig.url)
     gap = (engine - hf_logprobs(reference(model))).abs().max().item()
     assert gap <= tol, f"{rig.name} v{trainer['version']}: gap {gap:.2e} before this refit"
     gaps = []
-    for _ in range(VERSIONS):
+    for i in range(VERSIONS):
+        epoch = epochs[i] if epochs else None
         loss = sgd_step(model, LR, trainer["gen"])
         version = trainer["version"] + 1
         tensors = (send(model) if send is not None
                    else state_dict_to_send(model, with_lm_head, send_dtype))
         # The runtime proof rides on every version: the canary computed from the reference.
         canary = canary_from_model(reference(model), SEQUENCE, tol)
-        report = rig.refit(tensors, version, canary=canary)
+        report = rig.refit(tensors, version, canary=canary, epoch=epoch)
         (worker,) = report.workers
         assert worker.canary_gap is not None and worker.canary_gap <= tol, worker
         assert report.version == version
@@ -205,7 +207,8 @@ def refit_versions(rig: Rig, trainer: dict, *, with_lm_head: bool = True,
         gap = (engine - truth).abs().max().item()
         moved = (engine - before).abs().max().item()
         gaps.append(gap)
-        print(f"{rig.name} v{version} ({len(tensors)} tensors, loss {loss:.3f}): "
+        kind = "in place" if epoch is None else type(epoch).__name__
+        print(f"{rig.name} v{version} {kind} ({len(tensors)} tensors, loss {loss:.3f}): "
               f"max |vLLM - transformers| = {gap:.2e}, moved {moved:.3f}, canary gap "
               f"{worker.canary_gap:.1e} in {worker.canary_seconds * 1e3:.0f} ms of a "
               f"{report.seconds * 1e3:.0f} ms epoch"
