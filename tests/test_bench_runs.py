@@ -121,6 +121,9 @@ def test_make_bench_stall_runs_on_a_real_vllm():
     require_vllm()
     out = run_target("bench-stall", 540)
     assert "staged stall / in-place stall (engine's own)" in out, out
+    # The loader arm ran beside the prepared flip (the workers' `configure` switched it).
+    assert "| staged_loader | 1 |" in out, out
+    assert "staged, every layer loaded at the flip: stall / in-place stall" in out, out
     assert "bench-stall OK" in out, out
     assert "world 2 (1 receivers)" in out, out  # its reference-engine part
 
