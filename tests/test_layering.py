@@ -18,9 +18,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "refit_grpc"
 # public setter), vLLM's backend registry (no public re-registration), nn.Module's parameter
 # dict (read without the __getattr__ that would resolve a tied head to the embedding's module),
 # vLLM's LoRA loader and the adapter manager it loads into (the one place an adapter can come
-# from memory instead of a path; vllm_plugin/adapters.py).
+# from memory instead of a path; vllm_plugin/adapters.py), and nn.Module's other state (its
+# buffers, children and non-persistent names: a prepared flip builds a shadow of a layer with
+# tensors of its own and installs its state, as vLLM's own reload rebuilds layers in
+# reload/meta.py; vllm_plugin/prepared.py).
 THIRD_PARTY = {"_Options", "_timeout", "_devices", "_registry", "_parameters", "_load_adapter",
-               "_adapter_manager"}
+               "_adapter_manager", "_buffers", "_modules", "_non_persistent_buffers_set"}
 
 
 def _sources() -> list[Path]:
