@@ -299,9 +299,12 @@ class LayerwiseReceiver:
         self._prepared = prepare(self.model, self.model_config, plan, self.staged.copy, digest)
 
     def drop_staged(self) -> StageStatus:
-        """Forget the staged copy (`StagedReceive.drop`) and the layers prepared from it."""
+        """Forget the staged copy (`StagedReceive.drop`) and the layers prepared from it (after
+        the drop as well: a preparation the drop waited for may have just stored them)."""
         self._prepared = None
-        return self.staged.drop()
+        status = self.staged.drop()
+        self._prepared = None
+        return status
 
     def serve(self, info: ServeInfo, engine_rank: int) -> StageStatus:
         """A catch-up from this engine: its rank-0 worker broadcasts its committed copy to the
