@@ -50,8 +50,8 @@ from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
 from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from refit_grpc.collective import unpack
-from refit_grpc.plan import RefitPlan, TensorSpec
+from refit_grpc.collective import as_tensor, unpack
+from refit_grpc.plan import RefitPlan
 from refit_grpc.staging import StagingCopy
 
 log = logging.getLogger("vllm.refit_grpc")
@@ -176,13 +176,7 @@ def _tensors(plan: RefitPlan, copy: StagingCopy, wanted: set[str]
     for bucket in plan.buckets:
         for spec, raw in unpack(copy.bucket_view(bucket), plan.tensors[bucket.start:bucket.stop]):
             if spec.name in wanted:
-                yield spec.name, _typed(spec, raw)
-
-
-def _typed(spec: TensorSpec, raw: torch.Tensor) -> torch.Tensor:
-    if raw.storage_offset() % spec.dtype.itemsize:
-        raw = raw.clone()
-    return raw.view(spec.dtype).view(spec.shape)
+                yield spec.name, as_tensor(spec, raw)
 
 
 def _build(layer: torch.nn.Module, sources: list[_Source], tensors: dict[str, torch.Tensor]
