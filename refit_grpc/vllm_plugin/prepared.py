@@ -89,7 +89,6 @@ class PreparedLayers:
     digest: str
     shadows: list[_Shadow]
     names: frozenset[str]
-    seconds: float
 
     def expect_nothing(self) -> None:
         """Inside a flip's layerwise session, before finalize: the prepared layers receive
@@ -126,7 +125,7 @@ def prepare(model: torch.nn.Module, model_config: Any, plan: RefitPlan, copy: St
     seconds = time.monotonic() - t0
     log.info("refit_grpc gloo: prepared %d linear layers (%d tensors) for the flip in %.3fs, "
              "beside the engine loop", len(shadows), len(wanted), seconds)
-    return PreparedLayers(digest, shadows, frozenset(wanted), seconds)
+    return PreparedLayers(digest, shadows, frozenset(wanted))
 
 
 def _preparable(model: torch.nn.Module, model_config: Any, plan_names: set[str]
