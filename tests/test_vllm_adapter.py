@@ -188,11 +188,27 @@ def test_abort_cuts_a_blocked_join_short(scripted):
 
 def test_error_mapping_and_what_is_posted(scripted):
     engine = VLLMEngine(scripted.url, abort_grace_s=0.2)
-    scripted.answers["/pause"] = [(404, {"detail": "Not Found"})]
+    scripted.answers["/sleep"] = [(404, {"detail": "Not Found"})]
     with pytest.raises(FailedPreconditionError) as e:
         engine.pause(PauseMode.WAIT, Deadline(5))
     assert e.value.reason == "ENGINE_ROUTE_MISSING"
-    assert scripted.requests[-1][0] == "/pause?mode=wait&clear_cache=true"
+    # vLLM's scheduler pause without /pause's fixed 20 ms sleep; caches kept by the pause
+    assert scripted.requests[-1][0] == "/sleep?level=0&mode=wait"
+    assert not engine.pause_clears_cache
+
+    # the flip's cache reset takes the parked requests' blocks too; the workers did not say
+    # whether the model is multimodal, so its caches are reset as well
+    scripted.answers["/reset_prefix_cache"] = [(200, {"success": True})]
+    assert engine.reset_cache(Deadline(5))
+    assert [p for p, _ in scripted.requests[-3:]] == [
+        "/reset_prefix_cache?reset_running_requests=true&reset_external=true",
+        "/reset_mm_cache", "/reset_encoder_cache"]
+
+    # resume is level 0's wake-up; an engine whose memory someone put to sleep is not resumed
+    scripted.answers["/wake_up"] = [(200, {"status": "sleeping", "tags": ["scheduling"]})]
+    with pytest.raises(FailedPreconditionError, match="asleep"):
+        engine.resume(Deadline(5))
+    assert scripted.requests[-1][0] == "/wake_up?tags=scheduling"
 
     scripted.answers["/init_weight_transfer_engine"] = [
         (500, {"error": {"message": "Worker failed with error 'Timed out waiting 5000ms'"}})]

@@ -660,7 +660,7 @@ def test_a_completion_that_crosses_a_flip_keeping_its_cache_reports_two_version_
         assert len(completion.tokens) == 200 and completion.finish_reason == "length", completion
         spans = completion.spans
         assert spans is not None and [s["version"] for s in spans] == \
-            [str(old_version), str(version)], spans
+            [str(old_version), str(version)], (spans, before, after, done)
         (first, second) = spans
         assert first["start"] == 0 and first["end"] == second["start"] and second["end"] == 200
         assert before <= second["start"] <= after, (before, spans, after)

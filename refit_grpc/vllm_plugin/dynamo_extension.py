@@ -221,7 +221,8 @@ class RefitGlooWorkerExtension:
         from refit_grpc.vllm_plugin.layerwise import worker_rank
         from refit_grpc.wire.worker import NO_QUANTIZATION, WorkerInfo
 
-        info = WorkerInfo(quantization=self.model_config.quantization or NO_QUANTIZATION)
+        info = WorkerInfo(quantization=self.model_config.quantization or NO_QUANTIZATION,
+                          multimodal=bool(self.model_config.is_multimodal_model))
         store = _store_client(master_address, int(master_port))
         store.set(engine_info_key(info_key, worker_rank(self.parallel_config, 0)),
                   json.dumps(info.to_wire()))

@@ -154,7 +154,8 @@ class RefitGlooWeightTransferEngine(
             wire_vllm.STAGE_OP_CANCEL_SERVE: staged.cancel_serve,
             wire_vllm.STAGE_OP_RESTORE: staged.restore_previous,
             wire_vllm.STAGE_OP_INFO: lambda: WorkerInfo(
-                quantization=self.model_config.quantization or NO_QUANTIZATION),
+                quantization=self.model_config.quantization or NO_QUANTIZATION,
+                multimodal=bool(self.model_config.is_multimodal_model)),
             wire_vllm.STAGE_OP_CHECK_ADAPTER: lambda: self._check_adapter(payload),
             wire_vllm.STAGE_OP_COMMIT_ADAPTER: lambda: self._commit_adapter(payload),
             wire_vllm.STAGE_OP_CONFIGURE: lambda: self._configure(payload),

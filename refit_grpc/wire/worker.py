@@ -109,9 +109,13 @@ class WorkerInfo:
     Args:
         quantization: the engine's quantization method as vLLM names it (its `--quantization`,
             or the checkpoint's own method), `NO_QUANTIZATION` when it has none.
+        multimodal: whether the model takes images (vLLM's `is_multimodal_model`): its
+            multimodal and encoder caches hold what the old weights computed, cleared at a
+            flip with the prefix cache. Absent in an older worker's answer: False.
     """
 
     quantization: str = NO_QUANTIZATION
+    multimodal: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,9 +8,12 @@ only translates the shim's engine calls into HTTP calls (standard library only):
 
     status          GET /is_paused (the EngineCore answers it: alive and pause state), else
                     GET /health; GET /get_world_size once
-    pause(mode)     POST /pause?mode=keep|wait|abort&clear_cache=true
-    resume          POST /resume
-    reset_cache     POST /reset_prefix_cache (retried while running requests still hold blocks)
+    pause(mode)     POST /sleep?level=0&mode=keep|wait|abort (vLLM's scheduler pause; its
+                    /pause route ends in a fixed 20 ms sleep, inside every stall)
+    resume          POST /wake_up?tags=scheduling (level 0's resume; vLLM's sleep gauge agrees)
+    reset_cache     POST /reset_prefix_cache?reset_running_requests=true&reset_external=true
+                    (the parked requests' blocks included: they recompute after the resume);
+                    for a multimodal model also /reset_mm_cache and /reset_encoder_cache
     init_transfer   POST /shutdown_weight_transfer_engine, then /init_weight_transfer_engine
                     (rank offset, world size, packing, group id, a timeout from the deadline);
                     blocks until the trainer's rank 0 has joined
@@ -132,6 +135,8 @@ class VLLMEngine(HttpEngine):
         # The workers' `WorkerInfo.quantization`, asked once (it is fixed for the engine's
         # life); None until asked, "" when the workers cannot say (not the project's backend).
         self._quantization: str | None = None
+        # The workers' `WorkerInfo.multimodal`, asked with the quantization; None: unknown.
+        self._multimodal: bool | None = None
         # Adapters this shim committed (adapter epochs), and those vLLM served when it started
         # (`_read_served_adapters`): name -> version.
         self._adapters: dict[str, int] = {}
@@ -171,7 +176,7 @@ class VLLMEngine(HttpEngine):
                 if self._world_size is None:
                     self._refresh_world_size()
                 if self._quantization is None:
-                    self._refresh_quantization()
+                    self._refresh_worker_info()
                 if not self._adapters_read:
                     self._read_served_adapters()
                 digest = self.weights_digest(Deadline(self.request_timeout_s)) \
@@ -230,36 +235,48 @@ class VLLMEngine(HttpEngine):
         index.check_plan(plan, quantization=self.quantization)
 
     def _post_pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool) -> None:
-        # Draining (wait) takes as long as the requests in flight: bounded by the deadline only.
-        # clear_cache=false: the parked requests keep their KV blocks and continue without
-        # recomputing after the resume (vLLM's in-flight weight update).
-        self._http.call("POST", "/pause", deadline, what=f"pause({mode.value})",
-                        query={"mode": mode.value,
-                               "clear_cache": "false" if keep_cache else "true"},
+        # vLLM 0.32's sleep at level 0 is its scheduler pause (`EngineCore.pause_scheduler`,
+        # caches kept), without the 20 ms `asyncio.sleep` that AsyncLLM.pause_generation (POST
+        # /pause) adds after it (for the ordering of outputs, "not required for correctness").
+        # The caches are cleared after the load instead (`reset_cache`), unless kept: the
+        # parked requests keep their KV blocks and go on without recomputing (vLLM's in-flight
+        # weight update). Draining (wait) takes as long as the requests in flight: bounded by
+        # the deadline only.
+        del keep_cache  # the pause never clears; the flip decides (`pause_clears_cache`)
+        self._http.call("POST", "/sleep", deadline, what=f"pause({mode.value})",
+                        query={"level": "0", "mode": mode.value},
                         cap_s=math.inf if mode is PauseMode.WAIT else None)
 
     def _post_resume(self, deadline: Deadline) -> None:
-        self._http.call("POST", "/resume", deadline, what="resume")
+        # Level 0's wake-up: resumes the scheduler only when no memory of the engine sleeps
+        # (someone else's /sleep?level=1 or 2): then it answers "sleeping" and nothing runs.
+        body = self._http.call("POST", "/wake_up", deadline, what="resume",
+                               query={"tags": "scheduling"})
+        if isinstance(body, dict) and body.get("status") == "sleeping":
+            raise FailedPreconditionError(
+                f"resume: vLLM at {self.url} is asleep (its weights or KV cache were released "
+                "by POST /sleep?level=1|2); wake it with POST /wake_up",
+                reason=Reason.ENGINE_REJECTED)
 
     @property
     def pause_clears_cache(self) -> bool:
-        """`/pause?clear_cache=true` (`_post_pause`) ends in vLLM 0.32's
-        `EngineCore._finish_pause(clear_cache=True)` in every mode, keep included: the prefix
-        cache reset with the running requests' blocks (`reset_running_requests`), then nothing
-        is scheduled until /resume (read in vllm/v1/engine/core.py)."""
-        return True
+        """The pause keeps the caches (`_post_pause`): the flip clears them after its load."""
+        return False
 
     def reset_cache(self, deadline: Deadline) -> bool:
-        # vLLM refuses (success=false) while running requests still hold blocks; after a
-        # drain that is a matter of milliseconds.
-        for _ in range(20):
-            body = self._http.call("POST", "/reset_prefix_cache", deadline, what="reset_prefix_cache")
-            if isinstance(body, dict) and body.get("success"):
-                return True
-            if deadline.remaining() < 0.2:
-                break
-            time.sleep(0.05)
-        return False
+        """The prefix cache with the running (parked) requests' blocks: vLLM preempts them, so
+        they recompute with the new weights after the resume (what /pause?clear_cache=true
+        does inside the pause), and a connector's external cache. For a multimodal model (or
+        one the workers do not describe) also the multimodal and encoder caches, which hold
+        what the old vision tower computed."""
+        body = self._http.call("POST", "/reset_prefix_cache", deadline,
+                               what="reset_prefix_cache",
+                               query={"reset_running_requests": "true",
+                                      "reset_external": "true"})
+        if self._multimodal is not False:
+            self._http.call("POST", "/reset_mm_cache", deadline, what="reset_mm_cache")
+            self._http.call("POST", "/reset_encoder_cache", deadline, what="reset_encoder_cache")
+        return bool(isinstance(body, dict) and body.get("success"))
 
     def check_backend(self, backend: str) -> None:
         """vLLM's workers join the group, not this process: whether they can use `backend` is
@@ -495,7 +512,8 @@ class VLLMEngine(HttpEngine):
         """vLLM's own teacher-forced numbers (`prompt_logprobs` of /v1/completions).
 
         vLLM's scheduler admits no request while paused, so the canary needs one window of
-        service: resume, one prompt_logprobs request, pause again (KEEP, caches cleared).
+        service: resume, one prompt_logprobs request, pause again (KEEP; the flip clears the
+        caches after the canary).
         Requests queued meanwhile may be scheduled in that window, on weights the canary has
         not yet approved (docs/vllm.md, The canary: the window and how a staged flip closes
         it). The shim asks only after a commit, so the weights are whole either way."""
@@ -576,7 +594,8 @@ class VLLMEngine(HttpEngine):
         say (vLLM's own nccl backend)."""
         return self._quantization or ""
 
-    def _refresh_quantization(self) -> None:
+    def _refresh_worker_info(self) -> None:
+        """The workers' `WorkerInfo` (quantization, multimodal), asked once."""
         try:
             body = self._http.call("POST", "/collective_rpc", None, what="engine_info",
                                    body=stage_rpc_body(STAGE_OP_INFO,
@@ -591,14 +610,16 @@ class VLLMEngine(HttpEngine):
         try:
             if not isinstance(results, list) or not results:
                 raise ValueError(f"no results: {body!r:.200}")
-            names = {WorkerInfo.from_wire(r).quantization for r in results}
+            infos = [WorkerInfo.from_wire(r) for r in results]
         except ValueError as e:
             log.warning("engine_info: the workers' answer is unreadable (%s)", e)
             self._quantization = ""
             return
         # Every worker of one engine loads one model config; disagreeing workers are not one
         # engine, and Describe should not pick one of them.
+        names = {info.quantization for info in infos}
         self._quantization = names.pop() if len(names) == 1 else ""
+        self._multimodal = any(info.multimodal for info in infos)
 
     def _refresh_world_size(self) -> None:
         try:
