@@ -130,9 +130,10 @@ bench: proto
 	$(VENV)/bin/refit-grpc bench $(BENCH_WORLD_FLAGS) --reps 7 $(BENCH_FLAGS)
 
 # The stall users of a real vLLM engine feel, in-place against staged epochs interleaved, under
-# streamed generation (figure in build/bench-stall.png), then the reference engine's stall at 1 GiB
-# (in place: the epoch; staged: the flip) beside the floor (docs/bench.md). --quick: about a minute.
-bench-stall: proto vllm
+# streamed generation (figure in build/bench-stall.png), the same on a Dynamo worker (the engine's
+# own stall), then the reference engine's stall at 1 GiB (in place: the epoch; staged: the flip)
+# beside the floor (docs/bench.md). --quick: about two minutes.
+bench-stall: proto vllm dynamo
 	$(VENV)/bin/refit-grpc bench-stall $(BENCH_FLAGS)
 	$(VENV)/bin/refit-grpc bench $(BENCH_WORLD_FLAGS) --reps 5 --arms floor,floor-buckets,refit_grpc,staged $(BENCH_FLAGS)
 

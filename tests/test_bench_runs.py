@@ -124,7 +124,13 @@ def test_make_bench_stall_runs_on_a_real_vllm():
     # The loader arm ran beside the prepared flip (the workers' `configure` switched it).
     assert "| staged_loader | 1 |" in out, out
     assert "staged, every layer loaded at the flip: stall / in-place stall" in out, out
+    # The delta arm went as a delta (the bench fails when one went whole), the floor measured.
+    assert "| delta | 1 |" in out and "delta stall / in-place stall" in out, out
+    assert "staged stall / (a plain copy of the model's bytes" in out, out
     assert "bench-stall OK" in out, out
+    # Its Dynamo part (the target builds Dynamo's environment first).
+    assert "Dynamo: staged stall / in-place stall (engine's own)" in out, out
+    assert "bench-stall-dynamo OK" in out, out
     assert "world 2 (1 receivers)" in out, out  # its reference-engine part
 
 

@@ -9,19 +9,23 @@ import math
 import pytest
 
 from refit_grpc.tools.bench_stall import (
+    DELTA,
     IN_PLACE,
     KEEP_CACHE,
+    MODES,
     STAGED,
     Epoch,
     _per_stream,
     analyze,
     classify,
+    draw,
     gaps,
     longest_gap,
     report_lines,
     resume_lag,
     steady_windows,
     tokens_between,
+    versions,
 )
 
 
@@ -124,6 +128,43 @@ def test_the_report_gives_the_keep_cache_gap_against_its_goal():
     text = "\n".join(report_lines(analyze(requests, epochs, 0.0, 30.0)))
     assert "| keep_cache | 1 | 700 | 60 | 40 | 100 |" in text, text
     assert "keep-cache longest token gap / (2x steady gap + its stall): 1.25x" in text, text
+
+
+def test_the_report_gives_the_delta_stall_and_the_staged_stall_against_its_floor():
+    """A delta epoch's stall against in place's (0.03 / 0.5) with its wire bytes; the staged
+    stall (60 ms) against a plain copy (40 ms) plus one round trip (10 ms): 1.2x."""
+    requests = [ticks(0.0, 30.0, 0.01)]
+    epochs = [Epoch(IN_PLACE, 1, 10.0, 10.5, 0.5), Epoch(STAGED, 2, 14.0, 14.6, 0.06, 0.04),
+              Epoch(DELTA, 3, 20.0, 20.4, 0.03, 0.02, wire_fraction=0.025)]
+    an = analyze(requests, epochs, 0.0, 30.0)
+    an.copy_s, an.round_trip_s = 0.04, 0.01
+    text = "\n".join(report_lines(an))
+    assert "| delta | 1 | 400 | 30 | 20 |" in text, text
+    assert ("delta stall / in-place stall: 0.06x (goal <= 0.1x); against staged's: 0.50x; on "
+            "the wire 0.025x a full epoch's bytes") in text, text
+    assert ("staged stall / (a plain copy of the model's bytes 40 ms + one round trip 10.0 ms): "
+            "1.20x (goal <= 1.2x)") in text, text
+
+
+def test_a_delta_version_moves_one_word_in_a_hundred_of_the_one_before():
+    import torch
+
+    base = {"w": torch.zeros(1000), "b": torch.zeros(3)}
+    v0, v1 = versions(base, 2, 1.0, deltas=[False, True])
+    assert int((v1["w"] != v0["w"]).sum()) <= 10 and int((v1["w"] != v0["w"]).sum()) >= 1
+    assert int((v1["b"] != v0["b"]).sum()) == 1  # at least one word of every tensor
+    assert int((v0["w"] != base["w"]).sum()) > 900  # a whole version: noise everywhere
+
+
+def test_the_figure_draws_every_mode(tmp_path):
+    """Every arm the bench runs has its letter and panel (a mode left out of the figure failed
+    a whole run at its end once)."""
+    pytest.importorskip("matplotlib", reason="drawing needs matplotlib (the dev extra)")
+    requests = [ticks(0.0, 30.0, 0.01)]
+    epochs = [Epoch(mode, i + 1, 2.0 + 5 * i, 2.5 + 5 * i, 0.2, None if mode == IN_PLACE else 0.1)
+              for i, mode in enumerate(MODES)]
+    path = draw(requests, epochs, 0.0, 30.0, tmp_path / "stall.png", "test")
+    assert path.stat().st_size > 0
 
 
 def test_requests_chain_back_into_streams():

@@ -192,17 +192,21 @@ def test_error_mapping_and_what_is_posted(scripted):
     with pytest.raises(FailedPreconditionError) as e:
         engine.pause(PauseMode.WAIT, Deadline(5))
     assert e.value.reason == "ENGINE_ROUTE_MISSING"
-    # vLLM's scheduler pause without /pause's fixed 20 ms sleep; caches kept by the pause
+    # vLLM's scheduler pause without /pause's fixed 20 ms sleep
     assert scripted.requests[-1][0] == "/sleep?level=0&mode=wait"
-    assert not engine.pause_clears_cache
 
-    # the flip's cache reset takes the parked requests' blocks too; the workers did not say
-    # whether the model is multimodal, so its caches are reset as well
+    # then the caches, the parked requests' blocks included, as /pause?clear_cache=true did;
+    # the workers did not say whether the model is multimodal, so those caches go as well
+    del scripted.answers["/sleep"]
     scripted.answers["/reset_prefix_cache"] = [(200, {"success": True})]
-    assert engine.reset_cache(Deadline(5))
-    assert [p for p, _ in scripted.requests[-3:]] == [
+    engine.pause(PauseMode.KEEP, Deadline(5))
+    assert engine.pause_clears_cache
+    assert [p for p, _ in scripted.requests[-4:]] == [
+        "/sleep?level=0&mode=keep",
         "/reset_prefix_cache?reset_running_requests=true&reset_external=true",
         "/reset_mm_cache", "/reset_encoder_cache"]
+    engine.pause(PauseMode.KEEP, Deadline(5), keep_cache=True)  # a flip that keeps them
+    assert scripted.requests[-1][0] == "/sleep?level=0&mode=keep"
 
     # resume is level 0's wake-up; an engine whose memory someone put to sleep is not resumed
     scripted.answers["/wake_up"] = [(200, {"status": "sleeping", "tags": ["scheduling"]})]

@@ -9,7 +9,8 @@ only translates the shim's engine calls into HTTP calls (standard library only):
     status          GET /is_paused (the EngineCore answers it: alive and pause state), else
                     GET /health; GET /get_world_size once
     pause(mode)     POST /sleep?level=0&mode=keep|wait|abort (vLLM's scheduler pause; its
-                    /pause route ends in a fixed 20 ms sleep, inside every stall)
+                    /pause route ends in a fixed 20 ms sleep, inside every stall), then, unless
+                    the caches are kept, reset_cache (what /pause?clear_cache=true does)
     resume          POST /wake_up?tags=scheduling (level 0's resume; vLLM's sleep gauge agrees)
     reset_cache     POST /reset_prefix_cache?reset_running_requests=true&reset_external=true
                     (the parked requests' blocks included: they recompute after the resume);
@@ -61,7 +62,6 @@ import dataclasses
 import hashlib
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -235,17 +235,19 @@ class VLLMEngine(HttpEngine):
         index.check_plan(plan, quantization=self.quantization)
 
     def _post_pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool) -> None:
-        # vLLM 0.32's sleep at level 0 is its scheduler pause (`EngineCore.pause_scheduler`,
-        # caches kept), without the 20 ms `asyncio.sleep` that AsyncLLM.pause_generation (POST
-        # /pause) adds after it (for the ordering of outputs, "not required for correctness").
-        # The caches are cleared after the load instead (`reset_cache`), unless kept: the
-        # parked requests keep their KV blocks and go on without recomputing (vLLM's in-flight
-        # weight update). Draining (wait) takes as long as the requests in flight: bounded by
-        # the deadline only.
-        del keep_cache  # the pause never clears; the flip decides (`pause_clears_cache`)
+        # vLLM 0.32's sleep at level 0 is its scheduler pause (`EngineCore.pause_scheduler`),
+        # without the 20 ms `asyncio.sleep` that AsyncLLM.pause_generation (POST /pause) adds
+        # after it (for the ordering of outputs, "not required for correctness"). Then the
+        # caches are cleared as /pause?clear_cache=true clears them inside the pause
+        # (`reset_cache`): the parked requests lose their blocks and recompute after the
+        # resume, with whatever weights are loaded by then. keep_cache: they keep them and go
+        # on without recomputing (vLLM's in-flight weight update). Draining (wait) takes as
+        # long as the requests in flight: bounded by the deadline only.
         self._http.call("POST", "/sleep", deadline, what=f"pause({mode.value})",
                         query={"level": "0", "mode": mode.value},
                         cap_s=math.inf if mode is PauseMode.WAIT else None)
+        if not keep_cache:
+            self.reset_cache(deadline)
 
     def _post_resume(self, deadline: Deadline) -> None:
         # Level 0's wake-up: resumes the scheduler only when no memory of the engine sleeps
@@ -260,13 +262,15 @@ class VLLMEngine(HttpEngine):
 
     @property
     def pause_clears_cache(self) -> bool:
-        """The pause keeps the caches (`_post_pause`): the flip clears them after its load."""
-        return False
+        """The pause clears every cache, the parked requests' blocks included (`_post_pause`),
+        and nothing is scheduled until the resume: a flip need not clear them after its
+        load."""
+        return True
 
     def reset_cache(self, deadline: Deadline) -> bool:
         """The prefix cache with the running (parked) requests' blocks: vLLM preempts them, so
-        they recompute with the new weights after the resume (what /pause?clear_cache=true
-        does inside the pause), and a connector's external cache. For a multimodal model (or
+        they recompute after the resume (what /pause?clear_cache=true does inside the pause),
+        and a connector's external cache. For a multimodal model (or
         one the workers do not describe) also the multimodal and encoder caches, which hold
         what the old vision tower computed."""
         body = self._http.call("POST", "/reset_prefix_cache", deadline,
@@ -512,8 +516,7 @@ class VLLMEngine(HttpEngine):
         """vLLM's own teacher-forced numbers (`prompt_logprobs` of /v1/completions).
 
         vLLM's scheduler admits no request while paused, so the canary needs one window of
-        service: resume, one prompt_logprobs request, pause again (KEEP; the flip clears the
-        caches after the canary).
+        service: resume, one prompt_logprobs request, pause again (KEEP, caches cleared).
         Requests queued meanwhile may be scheduled in that window, on weights the canary has
         not yet approved (docs/vllm.md, The canary: the window and how a staged flip closes
         it). The shim asks only after a commit, so the weights are whole either way."""
