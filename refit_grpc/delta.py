@@ -49,6 +49,37 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
+class _SendBuffers:
+    """The delta sender's per-slot buffers (packed bucket, payload scratch, header), kept from
+    one epoch to the next. Fresh ones meant mapping and unmapping 2 x slots bucket-sized
+    blocks per epoch; on the 2-core machine, under a vLLM engine's load, such a mapping once in
+    a few delta epochs waited 2-107 s in the kernel (the trainer's main thread in D state,
+    `vma_prepare`, measured with /proc/<pid>/task/*/wchan) before a byte was sent. A full
+    epoch's sender keeps its buffers and never did. One set per process; a second sender at
+    the same time (two fleets) gets its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: tuple[int, int, list, list, list] | None = None
+
+    def take(self, biggest: int, slots: int) -> tuple[list, list, list]:
+        with self._lock:
+            held, self._held = self._held, None
+        if held is not None and held[0] >= biggest and held[1] == slots:
+            return held[2], held[3], held[4]
+        return ([torch.empty(biggest, dtype=torch.uint8) for _ in range(slots)],
+                [torch.empty(biggest, dtype=torch.uint8) for _ in range(slots)],
+                [torch.empty(HEADER_WORDS, dtype=torch.int64) for _ in range(slots)])
+
+    def give_back(self, buffers: tuple[list, list, list]) -> None:
+        packed, scratch, headers = buffers
+        with self._lock:
+            self._held = (packed[0].numel(), len(packed), packed, scratch, headers)
+
+
+_SEND_BUFFERS = _SendBuffers()
+
+
 class Encoding(enum.IntEnum):
     RAW = 0     # the bucket's bytes
     SPARSE = 1  # int32 indexes of the changed 16-bit words, then their int16 values
@@ -300,9 +331,19 @@ def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base
     """
     biggest = max(b.nbytes for b in plan.buckets)
     slots = max(1, min(plan.packing.num_buffers, len(plan.buckets)))
-    packed = [torch.empty(biggest, dtype=torch.uint8) for _ in range(slots)]
-    scratch = [torch.empty(biggest, dtype=torch.uint8) for _ in range(slots)]
-    headers = [torch.empty(HEADER_WORDS, dtype=torch.int64) for _ in range(slots)]
+    buffers = _SEND_BUFFERS.take(biggest, slots)
+    stats = _send_delta(group, plan, tensors, base, deadline, on_bucket, slots, buffers)
+    # Kept only once nothing reads them (every broadcast and checksum waited for): after a
+    # failure a broadcast still posted may, so those are dropped.
+    _SEND_BUFFERS.give_back(buffers)
+    return stats
+
+
+def _send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor],
+                base: torch.Tensor, deadline: Deadline,
+                on_bucket: Callable[[Bucket, torch.Tensor], None], slots: int,
+                buffers: tuple[list, list, list]) -> DeltaStats:
+    packed, scratch, headers = buffers
     in_flight: list[list] = [[] for _ in range(slots)]
     checked: list[Future | None] = [None] * slots  # each slot's last `on_bucket`
     offsets = _bucket_offsets(plan)
@@ -400,11 +441,14 @@ def _bucket_offsets(plan: RefitPlan) -> list[int]:
     return out
 
 
-def flat_copy(plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The plan's bytes back to back (the sender's base after a full epoch)."""
+def flat_copy(plan: RefitPlan, tensors: Mapping[str, torch.Tensor],
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The plan's bytes back to back (the sender's base after a full epoch), into `out` (a
+    spent base: the same memory again, not a fresh mapping, `_SendBuffers`) when it fits."""
     from refit_grpc.collective import pack_into
 
-    out = torch.empty(plan.total_bytes, dtype=torch.uint8)
+    if out is None or out.numel() != plan.total_bytes or out.dtype != torch.uint8:
+        out = torch.empty(plan.total_bytes, dtype=torch.uint8)
     offset = 0
     for b in plan.buckets:
         pack_into(out[offset:offset + b.nbytes], [tensors[s.name].detach().cpu()

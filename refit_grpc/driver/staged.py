@@ -102,6 +102,7 @@ class StagedRound(RoundParts):
         required = epoch.required(len(self.membership.members))
         run = _Staging(self.epochs.next_version(version), time.monotonic(),
                        list(self.membership.members), dict(gone))
+        spent = self.epochs.delta_base
         base = self._delta_base(link) if epoch.delta else None
         self.epochs.delta_base = None  # whatever happens below, the old base is spent
         sent_delta = base is not None
@@ -136,7 +137,8 @@ class StagedRound(RoundParts):
             self.formation.reform_owed = True
         if epoch.delta:
             # The next delta's base: what every engine that flipped now holds.
-            flat = base.flat if base is not None else flat_copy(plan, tensors)
+            flat = base.flat if base is not None else \
+                flat_copy(plan, tensors, out=spent.flat if spent is not None else None)
             self.epochs.delta_base = DeltaBase(run.version, run.digest, flat)
         return replace(report, delta=sent_delta, wire_bytes=run.wire_bytes)
 
