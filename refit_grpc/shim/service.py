@@ -348,7 +348,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             with core.lock:
                 core.admit_locked("Flush")
             self.engine.pause(mode, deadline)
-            cleared = self.engine.reset_cache(deadline)
+            # An engine whose pause clears every cache (vLLM's) is not asked again.
+            cleared = self.engine.pause_clears_cache or self.engine.reset_cache(deadline)
             with core.lock:
                 # Re-check: an epoch may have failed meanwhile; never resume partial weights.
                 resume = core.weights_intact and core.epoch is None

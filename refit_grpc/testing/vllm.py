@@ -341,8 +341,9 @@ def complete(url: str, prompt: Sequence[int], max_tokens: int,
 
 def direct_cycle(url: str, group, plan, tensors, version: int, timeout_s: float = 60.0) -> float:
     """The same cycle a shim runs, posted straight to vLLM's admin routes by the trainer (the
-    ad-hoc HTTP way): pause(keep), start, update while broadcasting, finish(version), then the
-    flush: pause(wait), reset the prefix cache, resume. Returns its wall time."""
+    ad-hoc HTTP way), the same eight routes: pause(keep) and clear the caches, start, update
+    while broadcasting, finish(version), then the flush: pause(wait), clear the caches, resume
+    (vLLM's level-0 sleep and wake-up, as the shim's `VLLMEngine`). Returns its wall time."""
     from refit_grpc.collective import Sender
     from refit_grpc.common import Deadline
     from refit_grpc.wire.vllm import update_info_for
@@ -353,8 +354,14 @@ def direct_cycle(url: str, group, plan, tensors, version: int, timeout_s: float 
             raise RuntimeError(f"POST {path}: HTTP {status}: {reply}")
         return reply
 
+    def clear_caches() -> None:
+        if not post("/reset_prefix_cache?reset_running_requests=true&reset_external=true"
+                    ).get("success"):
+            raise RuntimeError("/reset_prefix_cache refused")
+
     t0 = time.monotonic()
-    post("/pause?mode=keep&clear_cache=true")
+    post("/sleep?level=0&mode=keep")
+    clear_caches()
     post("/start_weight_update")
     box: dict[str, Any] = {}
     update = threading.Thread(target=lambda: box.update(r=post(
@@ -365,10 +372,9 @@ def direct_cycle(url: str, group, plan, tensors, version: int, timeout_s: float 
     if "r" not in box:
         raise RuntimeError("/update_weights did not succeed")
     post("/finish_weight_update", {"weight_version": str(version)})
-    post("/pause?mode=wait&clear_cache=true")
-    if not post("/reset_prefix_cache").get("success"):
-        raise RuntimeError("/reset_prefix_cache refused")
-    post("/resume")
+    post("/sleep?level=0&mode=wait")
+    clear_caches()
+    post("/wake_up?tags=scheduling")
     return time.monotonic() - t0
 
 
