@@ -55,8 +55,9 @@ class _SendBuffers:
     blocks per epoch; on the 2-core machine, under a vLLM engine's load, such a mapping once in
     a few delta epochs waited 2-107 s in the kernel (the trainer's main thread in D state,
     `vma_prepare`, measured with /proc/<pid>/task/*/wchan) before a byte was sent. A full
-    epoch's sender keeps its buffers and never did. One set per process; a second sender at
-    the same time (two fleets) gets its own."""
+    epoch's sender keeps its buffers and never did. One set per process, held after the last
+    delta epoch (2 x num_buffers x the largest bucket: 16 MiB at 4 MiB buckets, 256 MiB at 64
+    MiB); a second sender at the same time (two fleets) gets its own."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -25,6 +25,7 @@ from refit_grpc.errors import (
     EpochAbortedError,
     FailedPreconditionError,
     InvalidPlanError,
+    RefitError,
     RefitTimeoutError,
 )
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
@@ -207,6 +208,11 @@ def test_error_mapping_and_what_is_posted(scripted):
         "/reset_mm_cache", "/reset_encoder_cache"]
     engine.pause(PauseMode.KEEP, Deadline(5), keep_cache=True)  # a flip that keeps them
     assert scripted.requests[-1][0] == "/sleep?level=0&mode=keep"
+    # a connector's cache vLLM could not reset fails the pause, as /pause?clear_cache=true did
+    scripted.answers["/reset_prefix_cache"] = [(200, {"success": False})]
+    with pytest.raises(RefitError, match="connector") as e:
+        engine.pause(PauseMode.KEEP, Deadline(5))
+    assert e.value.reason == "ENGINE_REJECTED"
 
     # resume is level 0's wake-up; an engine whose memory someone put to sleep is not resumed
     scripted.answers["/wake_up"] = [(200, {"status": "sleeping", "tags": ["scheduling"]})]

@@ -246,8 +246,10 @@ class VLLMEngine(HttpEngine):
         self._http.call("POST", "/sleep", deadline, what=f"pause({mode.value})",
                         query={"level": "0", "mode": mode.value},
                         cap_s=math.inf if mode is PauseMode.WAIT else None)
-        if not keep_cache:
-            self.reset_cache(deadline)
+        if not keep_cache and not self.reset_cache(deadline):
+            # /pause?clear_cache=true fails the same way (`EngineCore._reset_caches`).
+            raise RefitError(f"pause({mode.value}): vLLM at {self.url} could not reset its KV "
+                             "connector's cache", reason=Reason.ENGINE_REJECTED)
 
     def _post_resume(self, deadline: Deadline) -> None:
         # Level 0's wake-up: resumes the scheduler only when no memory of the engine sleeps
@@ -270,9 +272,9 @@ class VLLMEngine(HttpEngine):
     def reset_cache(self, deadline: Deadline) -> bool:
         """The prefix cache with the running (parked) requests' blocks: vLLM preempts them, so
         they recompute after the resume (what /pause?clear_cache=true does inside the pause),
-        and a connector's external cache. For a multimodal model (or
-        one the workers do not describe) also the multimodal and encoder caches, which hold
-        what the old vision tower computed."""
+        and a connector's external cache. For a multimodal model (or one the workers do not
+        describe) also the multimodal and encoder caches, which hold what the old vision tower
+        computed. False: vLLM could not reset a connector's cache."""
         body = self._http.call("POST", "/reset_prefix_cache", deadline,
                                what="reset_prefix_cache",
                                query={"reset_running_requests": "true",
