@@ -253,7 +253,10 @@ def test_shim_frozen_longer_than_the_deadline(shim_procs):
                 handle.result()
             to_error = time.monotonic() - t0
             assert e.value.workers[0] == "w2", str(e.value)
-            assert to_error < epoch_s + 3, to_error
+            # The epoch's deadline, Abort's wait, and a margin for a loaded machine (7.05 s seen
+            # once in CI with the other test modules running beside it): seconds, not the join
+            # timeout.
+            assert to_error < epoch_s + 2.0 + 2.0, to_error
             survivors = [shims[0].address, shims[1].address]
             wait_not_receiving(survivors, 3)
             states = assert_survivors_safe(survivors)
