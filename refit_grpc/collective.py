@@ -16,6 +16,7 @@ import atexit
 import collections
 import ctypes
 import datetime
+import functools
 import gc
 import logging
 import os
@@ -24,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,8 @@ from refit_grpc.reasons import Reason
 from refit_grpc.staging import StagedDigest
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A rank's store client's first connect attempt to a master whose listener it just reached;
 # each later attempt within the join's deadline gets twice as long (`_connect_store`).
@@ -300,9 +303,11 @@ def _connect_store(spec: GroupSpec, end: float, timeout_s: float,
         attempts += 1
         connect = min(attempt_s, max(end - time.monotonic(), 0.001))
         try:
-            return dist.TCPStore(host, port, spec.world_size, is_master=False,
-                                 timeout=datetime.timedelta(seconds=connect),
-                                 wait_for_workers=False)
+            return _unless_cancelled(
+                functools.partial(dist.TCPStore, host, port, spec.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=connect),
+                                  wait_for_workers=False),
+                cancel, f"rank {spec.rank}", f"while its store connected to {host}:{port}")
         except (RuntimeError, dist.DistError) as e:
             if cancel is not None and cancel.is_set():
                 raise EpochAbortedError(f"rendezvous at {host}:{port}: aborted",
@@ -400,47 +405,54 @@ def _build_backend(store: dist.Store, spec: GroupSpec, timeout: datetime.timedel
                    ) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
     """The backend group, built after the barrier. Its constructor's own rendezvous cannot be
     interrupted, and a rank that dies after arriving leaves the others in it until `timeout`:
-    with a `cancel`, it is built on a thread of its own and abandoned (EPOCH_ABORTED) once
-    `cancel` is set; the thread drops whatever it builds, and exiting waits for it as for
-    any reaper (`join_reapers`)."""
+    with a `cancel`, it is abandoned once `cancel` is set (`_unless_cancelled`)."""
+    return _unless_cancelled(lambda: _backend_group(store, spec, timeout), cancel,
+                             f"group {spec.group_id} rank {spec.rank}", "while the backend formed")
+
+
+def _unless_cancelled(make: Callable[[], T], cancel: threading.Event | None, who: str,
+                      when: str) -> T:
+    """`make()`, a call into torch that nothing can interrupt (a store's connect, a backend's
+    rendezvous). With a `cancel`, it runs on a thread of its own and is abandoned
+    (EPOCH_ABORTED, within CANCEL_POLL_S) once `cancel` is set: an Abort ends the caller's wait
+    at once, not when torch's own timeout runs out (a store connect with torch's retry: about
+    twice its timeout). The thread drops whatever it makes once abandoned, and exiting waits
+    for it as for any reaper (`join_reapers`)."""
     if cancel is None:
-        return _backend_group(store, spec, timeout)
+        return make()
     box: dict[str, Any] = {}
     lock = threading.Lock()
     done = threading.Event()
 
-    def build() -> None:
+    def run() -> None:
         try:
-            pg = _backend_group(store, spec, timeout)
+            made = make()
         except BaseException as e:  # handed to the waiter, or dropped once abandoned
             with lock:
                 box["error"] = e
         else:
             with lock:
                 if box.get("abandoned"):
-                    log.info("group %s rank %d: built after it was abandoned; dropped",
-                             spec.group_id, spec.rank)
+                    log.info("%s: made after it was abandoned; dropped", who)
                 else:
-                    box["pg"] = pg
-            del pg  # an abandoned group's last reference: destroyed here, on this thread
+                    box["made"] = made
+            del made  # an abandoned object's last reference: destroyed here, on this thread
         done.set()
 
-    builder = threading.Thread(target=build, daemon=True,
-                               name=f"build-{spec.group_id}-{spec.rank}")
-    builder.start()
+    worker = threading.Thread(target=run, daemon=True, name=f"unless-cancelled-{who}")
+    worker.start()
     while not done.wait(CANCEL_POLL_S):
         if cancel.is_set():
             with lock:
-                if "pg" not in box and "error" not in box:
+                if "made" not in box and "error" not in box:
                     box["abandoned"] = True
                     with _reapers_lock:
-                        _reapers.append(builder)
-                    raise EpochAbortedError(
-                        f"group {spec.group_id} rank {spec.rank}: aborted while the backend "
-                        "formed", reason=Reason.EPOCH_ABORTED)
+                        _reapers.append(worker)
+                    raise EpochAbortedError(f"{who}: aborted {when}",
+                                            reason=Reason.EPOCH_ABORTED)
     if "error" in box:
         raise box["error"]
-    return box["pg"]
+    return box["made"]
 
 
 def _ranges(ranks: Sequence[int]) -> str:

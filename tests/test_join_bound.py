@@ -111,3 +111,31 @@ def test_a_cancel_ends_a_rank_waiting_inside_the_backends_rendezvous():
         t.join(5)
         assert isinstance(box["error"], EpochAbortedError), box
         assert box["at"] - cancelled < 0.5
+
+
+def test_a_cancel_ends_a_rank_whose_store_connect_hangs():
+    """A master whose listener takes the connection and never answers (a trainer's store gone
+    silent, or one too busy to accept; seen at 64 shims under load) leaves torch's store client
+    waiting out its connect, then retrying it once: about 7 s for the first 3 s attempt, which
+    nothing interrupts. An Abort (the `cancel`) must end the join at once, or the shim stays
+    busy in InitCollective after the driver has given the formation up, and the driver's next
+    formation is refused BUSY (seen: test_width's re-formation under a loaded `make check`)."""
+    import socket
+    import threading
+
+    from refit_grpc.errors import EpochAbortedError
+
+    silent = socket.create_server(("127.0.0.1", 0), backlog=16)  # listens, never accepts
+    try:
+        spec = GroupSpec("127.0.0.1", silent.getsockname()[1], 2, 1, "gloo", "silent-master")
+        cancel = threading.Event()
+        t, box = _join_in_thread(spec, 60.0, cancel=cancel)
+        time.sleep(1.0)  # inside the store client's first connect attempt
+        assert t.is_alive(), box
+        cancelled = time.monotonic()
+        cancel.set()
+        t.join(5)
+        assert isinstance(box.get("error"), EpochAbortedError), box
+        assert box["at"] - cancelled < 0.5, box["at"] - cancelled
+    finally:
+        silent.close()
