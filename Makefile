@@ -83,7 +83,7 @@ lint: $(STAMP)
 # a vLLM or Dynamo server, in one process (they share the session's servers). Exit status 5 (no
 # test selected, e.g. PYTEST_ARGS naming one module of the other kind) is not a failure.
 test: proto lint engines
-	$(PY) -m pytest -m "not engine" -n $(CHECK_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -m "not engine" -n $(CHECK_WORKERS) --dist loadfile $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(PY) -m pytest -m engine $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The inner loop: lint and every test that starts no vLLM or Dynamo server (pytest marker
@@ -92,7 +92,7 @@ test: proto lint engines
 # cores: 4 min 18 s against 7 min 52 s in one. `make test`'s engine tests stay in one process:
 # their vLLM and Dynamo servers are shared by the session and would not fit the machine twice.
 check: proto lint
-	$(PY) -m pytest -m "not engine" -n $(CHECK_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not engine" -n $(CHECK_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Bad input at volume: REFIT_FUZZ_EXAMPLES hypothesis examples per property in
 # tests/test_bad_input.py (CI's default is 200; 2500 per property is over 10,000 inputs in all).

@@ -3,7 +3,6 @@ are built on, and the ones tests use directly, are in support.py."""
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -14,25 +13,6 @@ from refit_grpc.shim.process import ShimProcess
 from refit_grpc.shim.service import ShimConfig
 
 from support import InProcessShim, ReadyShim, start_ready_shim, unused_port
-
-# The modules that take longest in `make check`'s parallel run, longest first (durations summed
-# per file, 2026-12). pytest-xdist hands files to its processes in collection order (the Makefile
-# passes --no-loadscope-reorder, which otherwise orders them by their number of tests): started
-# first, a long file no longer runs alone at the end while the other processes sit idle.
-LONGEST_FIRST = ("test_width.py", "test_membership.py", "test_ray.py", "test_faults.py",
-                 "test_docker.py", "test_bench_runs.py", "test_fleet_cli.py",
-                 "test_engine_contract.py", "test_rollback.py", "test_staged_fleet.py",
-                 "test_operator_json.py", "test_shared_rank.py", "test_demo.py",
-                 "test_grpcurl.py", "test_wide_fleet.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """In an xdist process only: the longest modules first (a stable sort: the rest keep their
-    order). The engine tests run in one process, in the order their shared servers expect."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture
