@@ -9,10 +9,12 @@ one another.
 from __future__ import annotations
 
 import threading
+import urllib.request
 from collections.abc import Callable, Mapping
 
 import grpc
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from refit_grpc import Fleet, PauseMode, WorkerEndpoint
 from refit_grpc.collective import Group, Sender, bind_master_store
@@ -75,6 +77,17 @@ def connected(fleet: Fleet, tensors: Mapping[str, torch.Tensor], ip: str = "127.
     trainer (rank 0, its store on `ip`; `connect` goes to `Fleet.connect`); returns the link."""
     fleet.prepare(info(tensors))
     return fleet.connect(ip, **connect)
+
+
+# --- a shim's Prometheus endpoint -------------------------------------------------------------
+
+
+def scrape(address: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample at http://ADDRESS/metrics, keyed by (name, labels)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 # --- plans and Describe -----------------------------------------------------------------------

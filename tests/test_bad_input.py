@@ -335,6 +335,8 @@ def test_update_weights(rig):
             lambda d: d and d != rig.copy_digest)),  # "" with no base version: a full epoch
         # Another checksum than the shim's (empty: not checked).
         "staged_checksum": st.text(min_size=1).filter(lambda c: c != STAGED_CHECKSUM),
+        # The base epoch is staged: it never pauses, so it has nothing to resume.
+        "resume_on_commit": st.just(True),
     }
 
     @SETTINGS

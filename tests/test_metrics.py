@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import urllib.request
 
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from refit_grpc import EpochRefusedError, Fleet, Packing, WorkerEndpoint
 from refit_grpc.proto import pb, pb_grpc
@@ -19,16 +17,10 @@ from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.server import ServerOptions, ShimServer
 from refit_grpc.shim.service import ShimConfig
 
+from support import scrape
+
 BUFFER = 4096
 UPDATE = "refit_grpc.v1.RefitService/UpdateWeights"
-
-
-def scrape(address: str) -> dict[tuple[str, frozenset], float]:
-    """Every sample at http://ADDRESS/metrics, keyed by (name, labels)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def value(samples, name: str, **labels) -> float:

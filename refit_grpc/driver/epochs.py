@@ -74,10 +74,13 @@ class Epochs:
     def open(self, plan: RefitPlan, version: int | None, *, epoch: Epoch, checks: Checks,
              pause_mode: PauseMode = PauseMode.KEEP,
              on_progress: ProgressCallback | None = None,
-             delta_base: DeltaBase | None = None) -> EpochHandle:
+             delta_base: DeltaBase | None = None,
+             resume_on_commit: bool = False) -> EpochHandle:
         """Open an epoch on the data group's members (`Fleet.update_weights()` documents it):
         catch-ups settled first, the membership checked, each shim told the instance it
-        joined as (a shim restarted since refuses: no Describe round trip first)."""
+        joined as (a shim restarted since refuses: no Describe round trip first).
+        `resume_on_commit` (in place): each engine serves again at its own commit, its COMMITTED
+        saying whether it did (`resumed`), instead of waiting for a Flush."""
         self.catch_ups.settle()
         self.membership.check_unchanged()
         self.committed = None  # the epoch overwrites (staged) or ends (in place) the copies
@@ -95,7 +98,8 @@ class Epochs:
             delta_base_version=delta_base.version if delta_base else 0,
             delta_base_digest=delta_base.staged_digest if delta_base else "",
             reversible=isinstance(epoch, Staged) and epoch.reversible,
-            staged_checksum=STAGED_CHECKSUM if staged else "")
+            staged_checksum=STAGED_CHECKSUM if staged else "",
+            resume_on_commit=resume_on_commit)
             for m in group]
         handle = EpochHandle(links(group), version, requests, self.config.epoch_timeout_s,
                              self.formation.abort_epoch, on_progress, io=self.calls.io,

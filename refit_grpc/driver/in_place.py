@@ -1,6 +1,12 @@
 """One in-place epoch across the fleet (`Fleet.refit(epoch=InPlace())`): open it on the data
 group, wait for every ACCEPTED, broadcast, wait for every COMMITTED, run the epoch's checks,
-then (by default) flush so the engines serve the new weights. Any failure drops the group."""
+then (by default) flush so the engines serve the new weights. Any failure drops the group.
+
+Without checks nothing is compared before the engines serve, so the flush is not a call: each
+shim clears its engine's caches and resumes it right after its own commit (`resume_on_commit`),
+before its COMMITTED. No engine waits for the slowest one and one more round trip, and the
+trainer spends no call per engine on it; an engine whose resume failed (COMMITTED `resumed`
+false) is flushed as before."""
 
 from __future__ import annotations
 
@@ -30,8 +36,10 @@ class InPlaceRound(RoundParts):
             on_progress: ProgressCallback | None) -> EpochReport:
         """One in-place epoch (`Fleet.refit()` documents it)."""
         t0 = time.monotonic()
+        resume_on_commit = epoch.flush and not checks.any
         handle = self.epochs.open(plan, version, epoch=epoch, checks=checks,
-                                  pause_mode=pause_mode, on_progress=on_progress)
+                                  pause_mode=pause_mode, on_progress=on_progress,
+                                  resume_on_commit=resume_on_commit)
         shims = links(self.membership.group)
         try:
             handle.wait_accepted()
@@ -57,7 +65,10 @@ class InPlaceRound(RoundParts):
         seconds = time.monotonic() - t0
         checks.run(handle.version, committed, shims)
         if epoch.flush:
-            self.calls.flush(links(self.membership.members))
+            paused = ([w for w, m in zip(shims, committed) if not m.resumed]
+                      if resume_on_commit else links(self.membership.members))
+            if paused:
+                self.calls.flush(paused)
         canary = checks.canary
         return EpochReport(
             version=handle.version, bytes=stats.bytes, seconds=seconds,

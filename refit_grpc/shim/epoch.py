@@ -21,6 +21,7 @@ from refit_grpc.plan import RefitPlan
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.canary import check_canary
+from refit_grpc.shim.config import ShimConfig
 from refit_grpc.shim.core import ShimCore
 from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.fields import (
@@ -54,9 +55,11 @@ def epoch_from_request(core: ShimCore, request: pb.UpdateWeightsRequest,
     check_digest_shape(request.delta_base_digest, "delta_base_digest")
     mode = pause_mode(request.pause_mode, PauseMode.KEEP)
     canary = request.canary if request.HasField("canary") else None
+    staged = epoch_mode(request.mode) == pb.EPOCH_MODE_STAGED
+    if request.resume_on_commit:  # the request's own fields, before what the engine can do
+        _check_resume_on_commit(staged, canary)
     if canary is not None:
         check_canary(canary, engine)
-    staged = epoch_mode(request.mode) == pb.EPOCH_MODE_STAGED
     flip_timeout_s = flip_timeout(request.flip_timeout_s, config.default_flip_timeout_s,
                                   config.max_flip_timeout_s) if staged else 0.0
     if staged and not engine.capabilities.staging:
@@ -77,7 +80,23 @@ def epoch_from_request(core: ShimCore, request: pb.UpdateWeightsRequest,
     # FlipResponse say (an engine that cannot, or has no committed copy, keeps none).
     reversible = staged and request.reversible and engine.capabilities.rollback
     return Epoch(request.version, deadline, request.verify_weights, canary, staged=staged,
-                 delta=delta, reversible=reversible, flip_timeout_s=flip_timeout_s), mode
+                 delta=delta, reversible=reversible, flip_timeout_s=flip_timeout_s,
+                 resume_on_commit=request.resume_on_commit), mode
+
+
+def _check_resume_on_commit(staged: bool, canary: pb.Canary | None) -> None:
+    """Resuming at the commit is an in-place epoch's, without a canary: a staged epoch never
+    pauses (its Flip resumes), and a canary is compared by the trainer before any engine may
+    serve what it computed."""
+    if staged:
+        raise InvalidArgumentError(
+            "resume_on_commit is for an in-place epoch: a staged one never pauses (its Flip "
+            "resumes, unless stay_paused)", reason=Reason.INVALID_RESUME_ON_COMMIT)
+    if canary is not None:
+        raise InvalidArgumentError(
+            "resume_on_commit with a canary: the trainer compares the canary before the "
+            "engine serves again; Flush after the check instead",
+            reason=Reason.INVALID_RESUME_ON_COMMIT)
 
 
 def _check_delta_request(request: pb.UpdateWeightsRequest, staged: bool, engine: Engine) -> None:
@@ -206,13 +225,35 @@ def _end_epoch(core: ShimCore, epoch: Epoch, plan: RefitPlan, received: Received
     with core.lock:
         epoch.deadline.check("commit")
         core.commit_locked(epoch.version, received.canary)
+    resumed = epoch.resume_on_commit and _resume_committed(core.engine, core.config)
     seconds = time.monotonic() - t_accept
-    log.info("committed version %d (%d bytes, %.3fs)", epoch.version, plan.total_bytes,
-             seconds)
+    log.info("committed version %d (%d bytes, %.3fs)%s", epoch.version, plan.total_bytes,
+             seconds, ", serving it" if resumed else "")
     return pb.UpdateWeightsResponse(
         phase=pb.UPDATE_WEIGHTS_PHASE_COMMITTED, version=epoch.version,
         bucket_count=len(plan.buckets), bytes_received=epoch.bytes_applied,
-        seconds=seconds, weights_digest=received.digest, canary=received.canary)
+        seconds=seconds, weights_digest=received.digest, canary=received.canary,
+        resumed=resumed)
+
+
+def _resume_committed(engine: Engine, config: ShimConfig) -> bool:
+    """What Flush does after an in-place epoch (the engine is paused already): clear the
+    caches, resume. The weights are committed whatever happens here: a failure leaves the
+    engine paused at the new version, and COMMITTED says so (resumed false) for a Flush."""
+    deadline = Deadline(config.max_control_s)  # the epoch's own may be nearly spent
+    try:
+        clear_caches(engine, deadline)
+        engine.resume(deadline)
+    except RefitError as e:
+        log.warning("resume after the commit failed, the engine stays paused: %s", e)
+        return False
+    return True
+
+
+def clear_caches(engine: Engine, deadline: Deadline) -> bool:
+    """Clear the engine's caches before it serves new weights, unless its pause did already
+    (vLLM's), so they are not asked twice. True: they are clear."""
+    return engine.pause_clears_cache or engine.reset_cache(deadline)
 
 
 def _fail_epoch(core: ShimCore, epoch: Epoch, was_paused: bool) -> None:
@@ -237,4 +278,4 @@ def _fail_epoch(core: ShimCore, epoch: Epoch, was_paused: bool) -> None:
             log.warning("resume after refused epoch failed: %s", e)
 
 
-__all__ = ["check_epoch_locked", "epoch_from_request", "run_epoch"]
+__all__ = ["check_epoch_locked", "clear_caches", "epoch_from_request", "run_epoch"]

@@ -40,6 +40,7 @@ class Epoch:
     delta: bool = False   # its buckets are deltas against the committed copy
     reversible: bool = False  # keep the committed copy as the previous one (Rollback)
     flip_timeout_s: float = 0.0
+    resume_on_commit: bool = False  # in place: Flush's work right after the commit
     bytes_applied: int = 0
     abort_reason: str = ""
 

@@ -348,8 +348,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             with core.lock:
                 core.admit_locked("Flush")
             self.engine.pause(mode, deadline)
-            # An engine whose pause clears every cache (vLLM's) is not asked again.
-            cleared = self.engine.pause_clears_cache or self.engine.reset_cache(deadline)
+            cleared = epoch.clear_caches(self.engine, deadline)
             with core.lock:
                 # Re-check: an epoch may have failed meanwhile; never resume partial weights.
                 resume = core.weights_intact and core.epoch is None
