@@ -21,8 +21,10 @@ class InPlace:
     """An in-place epoch: every engine pauses, receives into its live weights, commits.
 
     Args:
-        flush: after every engine committed, flush them all (drain, clear the caches,
-            resume) so they serve the new weights; False leaves that to `flush_cache()`.
+        flush: the engines serve the new weights once committed (their caches cleared):
+            without checks each resumes at its own commit, with no Flush call
+            (`resume_on_commit`); with checks all are flushed once the checks passed. False
+            leaves every engine paused for `flush_cache()`.
     """
 
     mode: ClassVar[EpochMode] = EpochMode.IN_PLACE
