@@ -89,8 +89,9 @@ test: proto lint engines
 # The inner loop: lint and every test that starts no vLLM or Dynamo server (pytest marker
 # `engine`), without installing either engine, in CHECK_WORKERS processes (pytest-xdist, a
 # module per process: its fixtures stay whole). They mostly wait on shim processes, so 4 on 2
-# cores: 4 min 18 s against 7 min 52 s in one. `make test`'s engine tests stay in one process:
-# their vLLM and Dynamo servers are shared by the session and would not fit the machine twice.
+# cores: 5 min 5 s in a fresh-clone CI run (2026-12-07); 6 were slower and load-sensitive tests
+# failed. `make test`'s engine tests stay in one process: their vLLM and Dynamo servers are
+# shared by the session and would not fit the machine twice.
 check: proto lint
 	$(PY) -m pytest -m "not engine" -n $(CHECK_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
