@@ -244,8 +244,9 @@ def _resume_committed(engine: Engine, config: ShimConfig) -> bool:
     try:
         clear_caches(engine, deadline)
         engine.resume(deadline)
-    except RefitError as e:
-        log.warning("resume after the commit failed, the engine stays paused: %s", e)
+    except Exception as e:  # noqa: BLE001  (whatever it was, the commit stands: a Flush follows)
+        log.warning("resume after the commit failed, the engine stays paused: %s", e,
+                    exc_info=not isinstance(e, RefitError))
         return False
     return True
 
