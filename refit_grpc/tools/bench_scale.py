@@ -21,7 +21,11 @@ epochs:
 - the trainer's threads (the most seen during the epochs) and resident memory;
 - trainer egress: the bytes it wrote per epoch (sockets included, /proc/self/io) over the plan's
   bytes, i.e. how many copies of each byte the trainer sends itself (gloo's broadcast);
-- the group's formation and one `describe()` of the whole fleet.
+- the group's formation and one `describe()` of the whole fleet;
+- the floor: the trainer's CPU per engine of a round of UpdateWeights streams that every shim
+  refuses at once (one grpc.aio stream per engine and nothing else, on channels of its own to
+  the same servers). With one stream per engine per epoch, no driver can go below it; the
+  ratio says what the driver's own work costs on top.
 
 At the widest simulated width it also times `refit-grpc fleet status` (its rows: one Describe
 per engine) and a `describe()`.
@@ -58,6 +62,7 @@ class ScaleRow:
     rss_mb: float
     egress_copies: float
     describe_s: float
+    floor_per_engine_ms: float
 
     @property
     def cpu_per_engine_ms(self) -> float:
@@ -141,11 +146,51 @@ def measure_width(shims: list, epochs: int, buckets: int, first_version: int,
         describe_s = time.perf_counter() - t0
         return ScaleRow(len(shims), series, form_s, statistics.median(walls), statistics.median(sends),
                         statistics.median(cpus) * 1e3, max(peak_threads[0], _status("Threads")),
-                        _status("VmRSS") / 1024, statistics.median(copies), describe_s)
+                        _status("VmRSS") / 1024, statistics.median(copies), describe_s,
+                        stream_floor_ms([s.address for s in shims], epochs))
     finally:
         if link is not None:
             link.close()
         fleet.close()
+
+
+def stream_floor_ms(addresses: list[str], rounds: int) -> float:
+    """The trainer's CPU per engine of one grpc.aio UpdateWeights stream per engine and nothing
+    else (module docstring): every shim refuses the empty request at once (INVALID_ARGUMENT),
+    on channels opened here, one event loop on this thread. Median of `rounds` rounds, after
+    one to warm the channels."""
+    import asyncio
+
+    import grpc
+
+    from refit_grpc.v1 import refit_pb2 as pb
+    from refit_grpc.v1 import refit_pb2_grpc as pb_grpc
+
+    async def refused(stub: pb_grpc.RefitServiceStub) -> None:
+        try:
+            async for _ in stub.UpdateWeights(pb.UpdateWeightsRequest(), timeout=60):
+                pass
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            return
+        raise RuntimeError("a shim accepted an empty UpdateWeightsRequest")
+
+    async def rounds_cpu() -> list[float]:
+        channels = [grpc.aio.insecure_channel(a) for a in addresses]
+        stubs = [pb_grpc.RefitServiceStub(c) for c in channels]
+        cpus = []
+        try:
+            for r in range(rounds + 1):
+                c0 = _cpu_s()
+                await asyncio.gather(*(refused(s) for s in stubs))
+                if r:
+                    cpus.append(_cpu_s() - c0)
+        finally:
+            await asyncio.gather(*(c.close() for c in channels))
+        return cpus
+
+    return statistics.median(asyncio.run(rounds_cpu())) * 1e3 / len(addresses)
 
 
 def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
@@ -207,7 +252,11 @@ def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
                 f"{a.cpu_per_engine_ms:.2f} -> {b.cpu_per_engine_ms:.2f} ms, control over the "
                 f"broadcast {a.control_s * 1e3:.0f} -> {b.control_s * 1e3:.0f} ms, threads "
                 f"{a.threads} -> {b.threads}, RSS {a.rss_mb:.0f} -> {b.rss_mb:.0f} MB, egress "
-                f"{a.egress_copies:.1f} -> {b.egress_copies:.1f} copies of each byte")
+                f"{a.egress_copies:.1f} -> {b.egress_copies:.1f} copies of each byte; the "
+                f"floor of one stream per engine {a.floor_per_engine_ms:.2f} -> "
+                f"{b.floor_per_engine_ms:.2f} ms, the driver at "
+                f"{a.cpu_per_engine_ms / a.floor_per_engine_ms:.2f}x -> "
+                f"{b.cpu_per_engine_ms / b.floor_per_engine_ms:.2f}x of it")
     if figure:
         try:
             _draw(rows, figure)
@@ -335,11 +384,11 @@ def _print_row(say, r: ScaleRow, header: bool) -> None:
     if header:
         say(f"{'series':>9} {'engines':>7} {'form s':>7} {'epoch ms':>9} {'bcast ms':>9} "
             f"{'control ms':>10} {'cpu ms':>7} {'cpu/eng ms':>10} {'threads':>7} {'rss MB':>7} "
-            f"{'egress x':>8} {'describe ms':>11}")
+            f"{'egress x':>8} {'describe ms':>11} {'floor/eng ms':>12}")
     say(f"{r.series:>9} {r.engines:>7} {r.form_s:>7.2f} {r.epoch_s * 1e3:>9.1f} "
         f"{r.broadcast_s * 1e3:>9.1f} {r.control_s * 1e3:>10.1f} {r.cpu_ms:>7.1f} "
         f"{r.cpu_per_engine_ms:>10.3f} {r.threads:>7} {r.rss_mb:>7.0f} {r.egress_copies:>8.1f} "
-        f"{r.describe_s * 1e3:>11.1f}")
+        f"{r.describe_s * 1e3:>11.1f} {r.floor_per_engine_ms:>12.3f}")
 
 
 def _draw(rows: list[ScaleRow], path: str) -> None:
@@ -356,6 +405,8 @@ def _draw(rows: list[ScaleRow], path: str) -> None:
         n = [r.engines for r in mine]
         left.plot(n, [r.cpu_per_engine_ms for r in mine], mark + "-",
                   label=f"trainer CPU per engine, {series}")
+        left.plot(n, [r.floor_per_engine_ms for r in mine], mark + "--",
+                  label=f"floor: one refused stream per engine, {series}")
         right.plot(n, [r.control_s * 1e3 for r in mine], mark + "-",
                    label=f"control over broadcast, {series}")
         right.plot(n, [r.epoch_s * 1e3 for r in mine], mark + ":",
