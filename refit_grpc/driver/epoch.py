@@ -278,9 +278,11 @@ class EpochHandle:
             Every failure, root causes first, a worker whose stream is still open named
             COMMIT_TIMEOUT; and how many of those silent workers there are.
         """
-        self.abort(f"epoch {self.version} failed")
+        reason = f"epoch {self.version} failed"
+        self.abort(reason)
         self._settle(_SETTLE_AFTER_FAILURE_S)
         self.cancel()
+        self._ask_the_silent_again(reason)
         failures = [f for _, f in self._failures_so_far()]
         failed_ids = {f.instance_id for f in failures}
         final = "STAGED" if self.staged else "COMMITTED"
@@ -290,6 +292,21 @@ class EpochHandle:
                   for w, done in zip(self._workers, self._done)
                   if not done and w.endpoint.instance_id not in failed_ids]
         return root_causes_first(failures + silent), len(silent)
+
+    def _ask_the_silent_again(self, reason: str) -> None:
+        """When several workers did not answer the Abort, ask those again, once (Abort is
+        idempotent): a worker that answers now was alive but slow (its stream had merely timed
+        out waiting on the frozen peer, and a loaded host delayed its answer past the abort
+        timeout), and is no longer named UNRESPONSIVE before the one that still does not answer
+        (seen once in CI: a frozen shim's two survivors all UNRESPONSIVE, named in the order
+        their streams ended). One worker alone is named first anyway: no second wait."""
+        with self._changed:
+            again = sorted(self._unresponsive)
+        if len(again) < 2:
+            return
+        answers = self._abort_fleet(reason, [self._workers[i] for i in again], self.staged)
+        with self._changed:
+            self._unresponsive = {i for i, a in zip(again, answers) if a is None}
 
     def cancel(self) -> None:
         """Cancel every stream still open (the shims see their caller go away)."""
