@@ -253,7 +253,8 @@ def _resume_committed(engine: Engine, config: ShimConfig) -> bool:
 
 def clear_caches(engine: Engine, deadline: Deadline) -> bool:
     """Clear the engine's caches before it serves new weights, unless its pause did already
-    (vLLM's), so they are not asked twice. True: they are clear."""
+    (vLLM's and Dynamo's: `pause_clears_cache`), so they are not asked twice. True: they are
+    clear."""
     return engine.pause_clears_cache or engine.reset_cache(deadline)
 
 
