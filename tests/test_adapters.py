@@ -1,6 +1,7 @@
 """Adapter plans without an engine that serves adapters (docs/adapters.md): the plan and its
 digest, the refusals of engines that serve none, and the driver's rules for adapter epochs. The
-epochs themselves, into a real vLLM, are tests/test_vllm_adapters.py."""
+epochs themselves, into a real vLLM and a real Dynamo worker, are tests/test_vllm_adapters.py
+and tests/test_dynamo_adapters.py."""
 
 from __future__ import annotations
 
@@ -106,3 +107,43 @@ def _json(config: dict) -> str:
     import json
 
     return json.dumps(config, sort_keys=True)
+
+
+@pytest.mark.parametrize("environ, needle", [
+    ({}, "DYN_LORA_ENABLED=true"),
+    ({"DYN_LORA_ENABLED": "true"}, "DYN_LORA_HOTSWAP_ENABLED=true"),
+    ({"DYN_LORA_ENABLED": "1", "DYN_LORA_HOTSWAP_ENABLED": "on"}, "DYN_LORA_HOTSWAP_ENABLED"),
+    ({"DYN_LORA_ENABLED": "TRUE", "DYN_LORA_HOTSWAP_ENABLED": "yes"}, None),
+])
+def test_a_dynamo_worker_without_its_lora_settings_refuses_adapter_epochs(environ, needle):
+    """What a Dynamo worker's extension answers at Prepare from its environment (pure: the
+    worker's own check runs in tests/test_dynamo_adapters.py): Dynamo's truthy values only
+    ("on" is not one of them, as Dynamo's env_bool reads it)."""
+    from refit_grpc.vllm_plugin.dynamo_extension import dynamo_lora_problem
+
+    problem = dynamo_lora_problem(environ)
+    if needle is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.reason == Reason.ADAPTER_UNSUPPORTED
+        assert needle in problem.message, problem
+
+
+def test_the_adapter_uri_given_to_dynamo_resolves_to_a_path_the_workers_loader_reads():
+    """Dynamo's LoRA manager hands vLLM `str()` of the Path its source returns; the workers'
+    loader must read that as the same adapter and version, and nothing else as one."""
+    import asyncio
+    from pathlib import Path
+
+    from refit_grpc.vllm_plugin.dynamo_lora import HeldAdapterSource
+    from refit_grpc.wire.vllm import adapter_path, parse_adapter_path
+
+    source, uri = HeldAdapterSource(), adapter_path("tenant-a", 7)
+    assert asyncio.run(source.exists(uri))
+    assert not asyncio.run(source.exists("file:///models/tenant-a"))
+    local = asyncio.run(source.download(uri, Path("/unused")))
+    assert parse_adapter_path(str(local)) == ("tenant-a", 7)
+    with pytest.raises(ValueError, match="not an adapter URI"):
+        asyncio.run(source.download("s3://bucket/tenant-a", Path("/unused")))
+    for other in ("/models/tenant-a", "refit-grpc-adapter:/x/tenant-a", "refit-grpc-adapter://7"):
+        assert parse_adapter_path(other) is None, other

@@ -291,16 +291,17 @@ def _post(system_url: str, route: str, body: Any, *, check: bool = True,
 
 
 def frontend_completion(frontend_url: str, instance_id: int | None, body: dict[str, Any],
-                        extra_fields: Sequence[str] = (), timeout_s: float = 60.0
-                        ) -> dict[str, Any]:
+                        extra_fields: Sequence[str] = (), timeout_s: float = 60.0,
+                        model: str = SERVED_MODEL) -> dict[str, Any]:
     """POST /v1/completions through Dynamo's frontend, routed to the worker `instance_id` (its
     discovery record's `instance_id`; `nvext.backend_instance_id`), asking for `nvext`'s
-    `extra_fields` too (`worker_id` always: the answer proves which worker served it)."""
+    `extra_fields` too (`worker_id` always: the answer proves which worker served it).
+    `model`: the base model, or a LoRA adapter the worker published."""
     nvext: dict[str, Any] = {"extra_fields": sorted({"worker_id", *extra_fields})}
     if instance_id is not None:
         nvext["backend_instance_id"] = int(instance_id)
     status, reply = http_json("POST", frontend_url, "/v1/completions",
-                              {"model": SERVED_MODEL, **body, "nvext": nvext}, timeout_s)
+                              {"model": model, **body, "nvext": nvext}, timeout_s)
     if status != 200:
         raise RuntimeError(f"/v1/completions on {frontend_url}: HTTP {status}: {reply}")
     served = (reply.get("nvext") or {}).get("worker_id") or {}
@@ -310,7 +311,7 @@ def frontend_completion(frontend_url: str, instance_id: int | None, body: dict[s
 
 
 def frontend_logprobs(frontend_url: str, instance_id: int | None, sequence: Sequence[int],
-                      timeout_s: float = 60.0):
+                      timeout_s: float = 60.0, model: str = SERVED_MODEL):
     """Teacher-forced log-probabilities from one worker through the frontend: log p(sequence[i]
     | sequence[:i]) for i = 1 .. n-1, as float64. Dynamo's frontend has no top-level
     `prompt_logprobs` in its answer (nor `echo`); it returns vLLM's under
@@ -319,7 +320,7 @@ def frontend_logprobs(frontend_url: str, instance_id: int | None, sequence: Sequ
 
     reply = frontend_completion(frontend_url, instance_id, {
         "prompt": list(sequence), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1},
-        ("prompt_logprobs",), timeout_s)
+        ("prompt_logprobs",), timeout_s, model)
     entries = reply["nvext"]["prompt_logprobs"]
     if len(entries) != len(sequence) or entries[0] is not None:
         raise RuntimeError(f"prompt_logprobs: {len(entries)} entries for {len(sequence)} "

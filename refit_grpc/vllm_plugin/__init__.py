@@ -11,12 +11,14 @@ there is no reason to make it try), and costs one dictionary lookup when vLLM is
 
 Only code that runs inside vLLM lives here. The trainer's side is the driver's (`Fleet.connect` and
 `Fleet.refit`, with `refit_grpc.driver.nccl` for vLLM's own `nccl` backend); what the routes take is
-`refit_grpc.wire.vllm`.
+`refit_grpc.wire.vllm`. Under NVIDIA Dynamo, `register()` also gives Dynamo's LoRA manager the
+source of adapter epochs (`dynamo_lora`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 BACKEND = "gloo"
 ENGINE_MODULE = "refit_grpc.vllm_plugin.engine"
@@ -26,7 +28,12 @@ log = logging.getLogger("vllm.refit_grpc")  # under "vllm" so vLLM's log handler
 
 
 def register() -> None:
-    """Register the `gloo` weight-transfer backend in vLLM's factory (entry point)."""
+    """Register the `gloo` weight-transfer backend in vLLM's factory (entry point), and in
+    Dynamo's worker the LoRA source of adapter epochs (`dynamo_lora`)."""
+    if "dynamo.vllm" in sys.modules:  # Dynamo's worker process
+        from refit_grpc.vllm_plugin.dynamo_lora import register_source
+
+        register_source()
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError as e:  # a vLLM without the native weight-transfer API (< 0.16)

@@ -26,13 +26,17 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from refit_grpc.plan import AdapterSpec, RefitPlan
 from refit_grpc.reasons import Reason
 from refit_grpc.vllm_plugin.faults import FailingAdapterBuild
+from refit_grpc.wire.worker import StageStatus
+
+if TYPE_CHECKING:
+    from refit_grpc.vllm_plugin.staged import StagedReceive
 from refit_grpc.wire.vllm import parse_adapter_path
 
 log = logging.getLogger("vllm.refit_grpc")
@@ -114,6 +118,27 @@ class AdapterProblem:
 
     def to_wire(self) -> dict[str, Any]:
         return {"problem": self.message, "reason": self.reason}
+
+
+def check_plan(vllm_config: Any, model: torch.nn.Module, plan: RefitPlan) -> AdapterProblem:
+    """Prepare of an adapter plan on this worker (`check`); an empty problem when it can serve
+    it."""
+    if plan.adapter is None:
+        return AdapterProblem("the plan names no adapter", Reason.INVALID_ADAPTER)
+    problem = check(vllm_config, model, plan.adapter, [s.name for s in plan.tensors])
+    return problem or AdapterProblem("", "")
+
+
+def commit_staged(staged: StagedReceive, staged_digest: str, version: int) -> StageStatus:
+    """An adapter epoch's flip on this worker: the staged copy (exactly `staged_digest`)
+    becomes the adapter's pending version (`commit`); the copy is spent, not a committed copy
+    of the model. Returns the worker's status after it."""
+    plan = staged.take(staged_digest)
+    if plan.adapter is None:
+        raise RuntimeError("refit_grpc gloo: the staged plan names no adapter")
+    commit(plan, list(staged.copy.tensors()), version)
+    staged.committed(None)
+    return staged.status()
 
 
 def check(vllm_config: Any, model: torch.nn.Module, spec: AdapterSpec,
@@ -252,5 +277,5 @@ def _build(worker_manager: Any, lora_request: Any, held: HeldAdapter) -> Any:
     return lora
 
 
-__all__ = ["STORE", "AdapterProblem", "AdapterStore", "HeldAdapter", "check", "commit",
-           "install_loader"]
+__all__ = ["STORE", "AdapterProblem", "AdapterStore", "HeldAdapter", "check", "check_plan",
+           "commit", "commit_staged", "install_loader"]

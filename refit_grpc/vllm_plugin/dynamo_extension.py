@@ -79,6 +79,8 @@ from typing import TYPE_CHECKING, Any
 from refit_grpc.wire.dynamo import (
     INIT_TIMEOUT_DEFAULT_S,
     INIT_TIMEOUT_ENV,
+    LORA_ENABLED_ENV,
+    LORA_HOTSWAP_ENV,
     engine_info_key,
     join_limit_s,
     serve_status_key,
@@ -86,10 +88,11 @@ from refit_grpc.wire.dynamo import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     import torch.distributed as dist
 
+    from refit_grpc.vllm_plugin.adapters import AdapterProblem
     from refit_grpc.vllm_plugin.staged import StagedReceive
     from refit_grpc.wire.worker import StageStatus
 
@@ -228,6 +231,40 @@ class RefitGlooWorkerExtension:
                   json.dumps(info.to_wire()))
         return info.to_wire()
 
+    def refit_grpc_check_adapter(self, master_address: str, master_port: int, info_key: str,
+                                 **update_info: Any) -> dict[str, Any]:
+        """Prepare of an adapter plan (docs/adapters.md, Dynamo): what vLLM would refuse when
+        it builds the adapter (`adapters.check_plan`, as the vLLM backend's `check_adapter`),
+        then what Dynamo's LoRA route needs (`dynamo_lora_problem`), published as an
+        `AdapterProblem` under `engine_info_key(info_key, rank)` in the shim's store (an empty
+        problem: it can serve it). Nothing is loaded."""
+        from refit_grpc.plan import Packing
+        from refit_grpc.vllm_plugin import adapters
+        from refit_grpc.vllm_plugin.layerwise import worker_rank
+        from refit_grpc.wire.vllm import GlooUpdateInfo
+
+        plan = GlooUpdateInfo(**update_info).plan(Packing())
+        problem = adapters.check_plan(self.vllm_config, self.model_runner.get_model(), plan)
+        if not problem.message:
+            problem = dynamo_lora_problem(os.environ) or problem
+        answer = problem.to_wire()
+        store = _store_client(master_address, int(master_port))
+        store.set(engine_info_key(info_key, worker_rank(self.parallel_config, 0)),
+                  json.dumps(answer))
+        return answer
+
+    def refit_grpc_commit_adapter(self, staged_digest: str, version: int,
+                                  **_: Any) -> dict[str, Any]:
+        """An adapter epoch's flip on this worker (`adapters.commit_staged`): the staged copy
+        becomes the adapter's pending version in memory, which the LoRA route's load then
+        builds through the project's loader (installed here, once per process). Answered when
+        done; a failure is Dynamo's error answer."""
+        from refit_grpc.vllm_plugin import adapters
+
+        adapters.install_loader()
+        return adapters.commit_staged(self._refit_grpc_receiver().staged, str(staged_digest),
+                                      int(version)).to_wire()
+
     def refit_grpc_restore_previous(self, **_: Any) -> dict[str, Any]:
         """A rollback's first step (`staged.StagedReceive.restore_previous`); raises where no
         previous copy is kept, which Dynamo answers as an error."""
@@ -249,6 +286,24 @@ class RefitGlooWorkerExtension:
             receiver = LayerwiseReceiver(self.model_runner.get_model(), self.model_config)
             self._refit_grpc_state = receiver
         return receiver
+
+
+def dynamo_lora_problem(environ: Mapping[str, str]) -> AdapterProblem | None:
+    """What Dynamo's worker lacks for adapter epochs, from its environment (the worker's
+    processes inherit it from the Dynamo process that serves the LoRA route): URI-based LoRA
+    loading, through which the flip's load goes, and hot swap, without which Dynamo answers a
+    later version "already loaded" and keeps serving the first."""
+    from refit_grpc.reasons import Reason
+    from refit_grpc.vllm_plugin.adapters import AdapterProblem
+
+    for env, why in ((LORA_ENABLED_ENV, "its LoRA manager, through which the flip's load goes"),
+                     (LORA_HOTSWAP_ENV, "hot swap: without it Dynamo keeps the first version "
+                                        "of an adapter and answers the next ones 'already "
+                                        "loaded'")):
+        if environ.get(env, "").lower() not in ("1", "true", "yes"):  # Dynamo's env_bool
+            return AdapterProblem(f"the Dynamo worker was not started with {env}=true: adapter "
+                                  f"epochs need {why}", Reason.ADAPTER_UNSUPPORTED)
+    return None
 
 
 def _store_client(host: str, port: int) -> dist.Store:

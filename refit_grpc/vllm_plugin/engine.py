@@ -41,7 +41,6 @@ from vllm.distributed.weight_transfer.base import (
 
 from refit_grpc.collective import Group
 from refit_grpc.plan import Packing
-from refit_grpc.reasons import Reason
 from refit_grpc.vllm_plugin import adapters
 from refit_grpc.vllm_plugin.adapters import AdapterProblem
 from refit_grpc.vllm_plugin.layerwise import (  # noqa: F401  (TiedRoutes: re-exported)
@@ -176,24 +175,15 @@ class RefitGlooWeightTransferEngine(
         """Prepare of an adapter plan: what vLLM would refuse when it builds the adapter
         (`adapters.check`); an empty problem when it can serve it."""
         plan = self.parse_update_info(json.loads(payload or "{}")).plan(Packing())
-        if plan.adapter is None:
-            return AdapterProblem("the plan names no adapter", Reason.INVALID_ADAPTER)
-        problem = adapters.check(self.vllm_config, self.model, plan.adapter,
-                                 [s.name for s in plan.tensors])
-        return problem or AdapterProblem("", "")
+        return adapters.check_plan(self.vllm_config, self.model, plan)
 
     def _commit_adapter(self, payload: str) -> StageStatus:
         """An adapter epoch's flip: the staged copy (exactly `staged_digest`) becomes the
         adapter's pending version (`adapters.commit`); the copy is spent, not a committed
         copy of the model."""
         args = json.loads(payload or "{}")
-        staged = self.receiver.staged
-        plan = staged.take(str(args["staged_digest"]))
-        if plan.adapter is None:
-            raise RuntimeError("refit_grpc gloo: the staged plan names no adapter")
-        adapters.commit(plan, list(staged.copy.tensors()), int(args["version"]))
-        staged.committed(None)
-        return staged.status()
+        return adapters.commit_staged(self.receiver.staged, str(args["staged_digest"]),
+                                      int(args["version"]))
 
 
 __all__ = ["RefitGlooInitInfo", "RefitGlooUpdateInfo", "RefitGlooWeightTransferEngine",

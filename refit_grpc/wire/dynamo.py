@@ -15,7 +15,7 @@ from typing import Any
 
 from refit_grpc.common import GroupSpec
 from refit_grpc.plan import RefitPlan
-from refit_grpc.wire.vllm import flip_info_for, init_info_for, update_info_for
+from refit_grpc.wire.vllm import adapter_path, flip_info_for, init_info_for, update_info_for
 from refit_grpc.wire.worker import ServeInfo
 
 # Routes, under {system_url}/engine/.
@@ -53,6 +53,20 @@ RESTORE_RPC = "refit_grpc_restore_previous"
 # What the engine is (`wire.worker.WorkerInfo`: its quantization), asked once by the shim: every
 # worker publishes its info under `engine_info_key(key, rank)` in a store the shim hosts.
 INFO_RPC = "refit_grpc_engine_info"
+
+# Adapter epochs (docs/adapters.md, Dynamo): at Prepare every worker says whether it can serve
+# the adapter (`AdapterProblem`, JSON, published under `engine_info_key(key, rank)` in a store the
+# shim hosts, as the engine info is); at the flip every worker makes its staged copy the
+# adapter's pending version in memory (answered when done), then Dynamo's LoRA route loads it
+# (hot swap for a later version) from `wire.vllm.adapter_path`, a URI of the scheme the
+# project's source resolves (`vllm_plugin.dynamo_lora`), so no file is written.
+CHECK_ADAPTER_RPC = "refit_grpc_check_adapter"
+COMMIT_ADAPTER_RPC = "refit_grpc_commit_adapter"
+LOAD_LORA = "load_lora"
+# What Dynamo's worker needs for it: URI-based LoRA loading (its LoRA manager), and for a second
+# version of an adapter, hot swap (else Dynamo answers "already loaded" and keeps the old one).
+LORA_ENABLED_ENV = "DYN_LORA_ENABLED"
+LORA_HOTSWAP_ENV = "DYN_LORA_HOTSWAP_ENABLED"
 
 # Dynamo shuts the whole worker down (os._exit) when init_weights_update_group outlives this.
 INIT_TIMEOUT_ENV = "DYN_RL_INIT_WEIGHTS_TIMEOUT_S"
@@ -144,6 +158,31 @@ def engine_info_body(master_address: str, master_port: int, key: str) -> dict[st
     store at `master_address:master_port`; the engine keeps serving."""
     return {"master_address": master_address, "master_port": master_port, "info_key": key,
             "engine_rpc": INFO_RPC, "allow_unpaused": True, "reset_prefix_cache": False}
+
+
+def check_adapter_body(plan: RefitPlan, master_address: str, master_port: int,
+                       key: str) -> dict[str, Any]:
+    """The body of the `update_weights_from_distributed` that has every worker check an adapter
+    plan (the extension's `refit_grpc_check_adapter`, answered at once) and publish what it
+    found in the store at `master_address:master_port`; the engine keeps serving."""
+    return {**update_info_for(plan, "gloo"), "master_address": master_address,
+            "master_port": master_port, "info_key": key, "engine_rpc": CHECK_ADAPTER_RPC,
+            "allow_unpaused": True, "reset_prefix_cache": False}
+
+
+def commit_adapter_body(staged_digest: str, version: int) -> dict[str, Any]:
+    """The body of the `update_weights_from_distributed` that makes every worker's staged copy
+    (exactly `staged_digest`) version `version` of the plan's adapter, in memory; the engine
+    keeps serving."""
+    return {"staged_digest": staged_digest, "version": version,
+            "engine_rpc": COMMIT_ADAPTER_RPC, "allow_unpaused": True,
+            "reset_prefix_cache": False}
+
+
+def load_lora_body(name: str, version: int) -> dict[str, Any]:
+    """The body of `load_lora`: the adapter's name and the URI of the version the workers
+    hold."""
+    return {"lora_name": name, "source": {"uri": adapter_path(name, version)}}
 
 
 def engine_info_key(key: str, rank: int) -> str:

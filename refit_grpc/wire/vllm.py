@@ -70,7 +70,8 @@ STAGE_OPS = (STAGE_OP_START, STAGE_OP_STATUS, STAGE_OP_DROP, STAGE_OP_SERVE,
 PREPARE_FLIP_ENV = "REFIT_GRPC_PREPARE_FLIP"
 # The `lora_path` of an adapter held in the workers' memory: no file is behind it; the project's
 # loader (`vllm_plugin.adapters`) builds the adapter from the held tensors of that version.
-ADAPTER_PATH_PREFIX = "refit-grpc-adapter://"
+ADAPTER_SCHEME = "refit-grpc-adapter"
+ADAPTER_PATH_PREFIX = f"{ADAPTER_SCHEME}://"
 
 
 def adapter_path(name: str, version: int) -> str:
@@ -79,10 +80,15 @@ def adapter_path(name: str, version: int) -> str:
 
 
 def parse_adapter_path(path: str) -> tuple[str, int] | None:
-    """(name, version) of an `adapter_path`; None for any other path (a real file's)."""
-    if not path.startswith(ADAPTER_PATH_PREFIX):
+    """(name, version) of an `adapter_path`; None for any other path (a real file's). The
+    form a `pathlib.Path` makes of it (`refit-grpc-adapter:/3/name`: Dynamo's LoRA manager
+    hands vLLM the path its source returns as a Path) is the same path."""
+    for prefix in (ADAPTER_PATH_PREFIX, ADAPTER_PATH_PREFIX[:-1]):
+        if path.startswith(prefix):
+            break
+    else:
         return None
-    version, sep, name = path[len(ADAPTER_PATH_PREFIX):].partition("/")
+    version, sep, name = path[len(prefix):].partition("/")
     if not sep or not name or not version.isdigit():
         return None
     return name, int(version)

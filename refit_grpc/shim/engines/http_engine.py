@@ -252,6 +252,9 @@ class HttpEngine(Engine):
             "drop_staged", lambda d: self._note_staging(self._post_drop_staged(d)),
             o.request_timeout_s)
         self._staging_bytes = 0
+        # Adapter epochs (docs/adapters.md): name -> the version the last flip of each loaded
+        # (an engine that lists what it serves adds those it served when this shim started).
+        self._adapters: dict[str, int] = {}
         # (version, staged digest) and plan of the workers' committed copy, as the last flip
         # left it. The workers check again: a delta or a serve without one is refused there.
         self._committed: tuple[int, str] | None = None
@@ -525,13 +528,23 @@ class HttpEngine(Engine):
         """Load the staged copy into the live weights through the in-place receive's own
         session (`_update` with the staged digest: the workers' loader, so layerwise reload,
         tied heads and MoE experts are as in place), then commit `version`. Called while
-        paused. The copy is consumed, or no longer trusted after a failed load."""
+        paused. The copy is consumed, or no longer trusted after a failed load.
+
+        An adapter plan's flip (never paused) is `_flip_adapter`: the copy is spent on the
+        adapter, so the workers keep no committed copy of the model after it."""
         with self._lock:
             staged, self._staged = self._staged, None
+            if staged is not None and staged[0].adapter is not None:
+                self._committed = self._committed_plan = None
         if staged is None:
             raise FailedPreconditionError("flip: nothing is staged on this engine",
                                           reason=Reason.NOT_STAGED)
         plan, digest = staged
+        if plan.adapter is not None:
+            self._flip_adapter(plan, digest, version, deadline)
+            with self._lock:
+                self._adapters[plan.adapter.name] = version
+            return ""
         try:
             self._update(plan, deadline, staged_digest=digest, version=version)
             result = self.finish(version, deadline)
@@ -547,6 +560,19 @@ class HttpEngine(Engine):
             self._previous = kept[0] if kept is not None and self._restoring is None else None
             self._set_aside = self._restoring = None
         return result
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._adapters)
+
+    def _flip_adapter(self, plan: RefitPlan, digest: str, version: int,
+                      deadline: Deadline) -> None:
+        """An adapter epoch's flip, while the engine serves: the workers' staged copy becomes
+        version `version` of `plan.adapter`, served under its name from here (the engine's
+        own routes; an engine with `Capabilities.adapters` implements it)."""
+        raise FailedPreconditionError(f"{self.engine_name} serves no adapter epochs",
+                                      reason=Reason.ADAPTER_UNSUPPORTED)
 
     def drop_staged(self) -> None:
         """Forget the staged copy on every worker and end a staged receive in flight (on a

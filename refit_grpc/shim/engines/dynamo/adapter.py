@@ -75,6 +75,7 @@ from refit_grpc.errors import (
     EngineUnavailableError,
     FailedPreconditionError,
     InvalidArgumentError,
+    InvalidPlanError,
     RefitError,
     RefitTimeoutError,
 )
@@ -181,9 +182,10 @@ class DynamoEngine(HttpEngine):
         """Staging: the worker extension's workers receive on a thread beside the engine loop
         (gloo only, which init_transfer enforces). No canary (Dynamo's frontend is not this
         shim's to reach). The workers keep the copy a flip loaded as their committed copy:
-        delta epochs apply onto it and catch-ups are served from it."""
+        delta epochs apply onto it and catch-ups are served from it. Adapter epochs through
+        Dynamo's LoRA route (`_flip_adapter`)."""
         return Capabilities(staging=True, delta=True, serving_copy=True, rollback=True,
-                            keep_cache=True)
+                            keep_cache=True, adapters=True)
 
     @property
     def world_size(self) -> int:
@@ -214,33 +216,16 @@ class DynamoEngine(HttpEngine):
         return self._quantization or ""
 
     def _read_quantization(self) -> None:
-        """Every worker publishes its `WorkerInfo` in a store this shim hosts (Dynamo discards
-        what a forwarded call returns, as for a staged receive's status): the store listens at
-        the local address that routes to the worker, the call (`refit_grpc_engine_info`) goes
-        through update_weights_from_distributed while the engine serves, and the answers are
-        read there within the status timeout. Tried `_INFO_TRIES` times at most (a worker that
-        never answers costs the first Describes a status timeout each, not every one)."""
+        """Every worker's `WorkerInfo` (`_ask_workers`, `refit_grpc_engine_info`), within the
+        status timeout. Tried `_INFO_TRIES` times at most (a worker that never answers costs
+        the first Describes a status timeout each, not every one)."""
         import torch.distributed as dist
 
-        from refit_grpc.collective import bind_master_store
-
         self._info_tries += 1
-        local = _local_address_towards(urllib.parse.urlsplit(self.url).hostname or "127.0.0.1")
-        key = f"refit_grpc/engine-info/{uuid.uuid4().hex}"
         try:
-            store = bind_master_store(local, 0, 1 + self._world_size, self.status_timeout_s)
-        except (RefitError, OSError):
-            return
-        try:
-            self._post(routes.UPDATE_DISTRIBUTED, routes.engine_info_body(local, store.port, key),
-                       None, cap_s=self.status_timeout_s)
-            keys = [routes.engine_info_key(key, rank) for rank in range(self._world_size)]
-            end = time.monotonic() + self.status_timeout_s
-            while not store.check(keys):
-                if time.monotonic() > end:
-                    return
-                time.sleep(0.02)
-            names = {WorkerInfo.from_wire(json.loads(store.get(k))).quantization for k in keys}
+            answers = self._ask_workers(routes.engine_info_body, "engine_info",
+                                        Deadline(self.status_timeout_s))
+            names = {WorkerInfo.from_wire(a).quantization for a in answers}
         except FailedPreconditionError as e:
             if "has no attribute" in e.message:
                 self._quantization = ""  # an extension without the call: asking again is no use
@@ -251,15 +236,124 @@ class DynamoEngine(HttpEngine):
         # Every worker of one engine loads one model config (as the vLLM adapter reads it).
         self._quantization = names.pop() if len(names) == 1 else ""
 
+    def _ask_workers(self, body_for: Callable[[str, int, str], dict[str, Any]], what: str,
+                     deadline: Deadline) -> list[dict[str, Any]]:
+        """Every worker's answer to one question the engine keeps serving through: Dynamo
+        discards what a forwarded call returns (as for a staged receive's status), so each
+        worker publishes its answer (JSON) under `engine_info_key(key, rank)` in a store this
+        shim hosts, at the local address that routes to the worker. `body_for(address, port,
+        key)` is the update_weights_from_distributed body that asks.
+
+        Raises:
+            RefitTimeoutError: not every worker answered by `deadline` (ENGINE_UNAVAILABLE).
+            RefitError: the call failed, typed as Dynamo answered it; or no store could be
+                hosted here (COLLECTIVE_FAILED, ENGINE_ERROR).
+        """
+        from refit_grpc.collective import bind_master_store
+
+        local = _local_address_towards(urllib.parse.urlsplit(self.url).hostname or "127.0.0.1")
+        key = f"refit_grpc/{what}/{uuid.uuid4().hex}"
+        try:
+            store = bind_master_store(local, 0, 1 + self._world_size,
+                                      max(deadline.remaining(), 0.001))
+        except OSError as e:
+            raise RefitError(f"{what}: no store for the workers' answers ({e})",
+                             reason=Reason.ENGINE_ERROR) from e
+        self._post(routes.UPDATE_DISTRIBUTED, body_for(local, store.port, key), deadline,
+                   cap_s=max(deadline.remaining(), 0.001))
+        keys = [routes.engine_info_key(key, rank) for rank in range(self._world_size)]
+        while not store.check(keys):
+            if deadline.remaining() <= 0:
+                raise RefitTimeoutError(f"{what}: not every worker of the Dynamo worker at "
+                                        f"{self.url} answered in time",
+                                        reason=Reason.ENGINE_UNAVAILABLE)
+            time.sleep(0.02)
+        return [json.loads(store.get(k)) for k in keys]
+
     def check_plan(self, plan: RefitPlan) -> None:
         """Names and shapes against the worker's checkpoint, where the `checkpoint_dir` option
-        names it (Dynamo's routes do not say where the model lives)."""
+        names it (Dynamo's routes do not say where the model lives); an adapter plan is asked
+        of the workers (`_check_adapter`)."""
+        if plan.adapter is not None:
+            self._check_adapter(plan)
+            return
         if self.checkpoint_dir is None:
             return
         index = self._read_checkpoint(self.checkpoint_dir)
         if index is None:
             return
         index.check_plan(plan, engine="Dynamo's vLLM worker")
+
+    # --- adapter epochs (docs/adapters.md, Dynamo) -------------------------------------------
+
+    def _check_adapter(self, plan: RefitPlan) -> None:
+        """Prepare of an adapter plan: every worker says whether it can serve the adapter
+        (`refit_grpc_check_adapter`: vLLM's own checks as on the vLLM engine, and Dynamo's
+        LoRA settings), answered through `_ask_workers`; the first problem is the refusal.
+        Nothing is loaded."""
+        assert plan.adapter is not None
+
+        def body(address: str, port: int, key: str) -> dict[str, Any]:
+            return routes.check_adapter_body(plan, address, port, key)
+
+        try:
+            answers = self._ask_workers(body, "check_adapter", Deadline(self.request_timeout_s))
+        except FailedPreconditionError as e:
+            if "has no attribute" in e.message and routes.CHECK_ADAPTER_RPC in e.message:
+                raise FailedPreconditionError(
+                    f"{e.message} (the worker's extension has no adapter epochs; start it with "
+                    f"--worker-extension-cls {routes.WORKER_EXTENSION})",
+                    reason=Reason.ADAPTER_UNSUPPORTED) from e
+            raise
+        for answer in answers:
+            problem = answer.get("problem") if isinstance(answer, dict) else None
+            if problem:
+                reason = Reason(answer.get("reason") or Reason.INVALID_ADAPTER)
+                cls = FailedPreconditionError if reason is Reason.ADAPTER_UNSUPPORTED \
+                    else InvalidPlanError
+                raise cls(str(problem), reason=reason)
+        if self.checkpoint_dir is not None:
+            index = self._read_checkpoint(self.checkpoint_dir)
+            if index is not None:
+                index.check_adapter(plan)
+
+    def _flip_adapter(self, plan: RefitPlan, digest: str, version: int,
+                      deadline: Deadline) -> None:
+        """An adapter epoch's flip, while the engine serves: every worker makes its staged copy
+        the adapter's pending version in memory (`refit_grpc_commit_adapter`), then Dynamo's
+        LoRA route loads it under the adapter's name from `adapter_path(name, version)`, which
+        the project's LoRA source resolves to the workers' memory (`vllm_plugin.dynamo_lora`).
+        A later version is Dynamo's hot swap: it waits until no request of that adapter runs,
+        removes the old version, adds the new one and resets the prefix cache; a failed add
+        puts the old one back (Dynamo's own rollback)."""
+        assert plan.adapter is not None
+        name = plan.adapter.name
+        self._post(routes.UPDATE_DISTRIBUTED, routes.commit_adapter_body(digest, version),
+                   deadline)
+        what = f"{routes.LOAD_LORA}({name!r}, version {version})"
+        reply = self._http.roundtrip("POST", f"/engine/{routes.LOAD_LORA}", None,
+                                     routes.load_lora_body(name, version),
+                                     min(deadline.check(what), self.request_timeout_s), what,
+                                     at_deadline=False)
+        body = reply.body if isinstance(reply.body, dict) else {}
+        if reply.status == 404:
+            raise FailedPreconditionError(
+                f"{what}: the Dynamo worker at {self.url} has no LoRA route (start it with "
+                "--enable-lora)", reason=Reason.ADAPTER_UNSUPPORTED)
+        if not 200 <= reply.status < 300 or body.get("status") != "success":
+            raise RefitError(f"{what}: Dynamo answered HTTP {reply.status}: "
+                             f"{error_text(body.get('message', reply.body))}",
+                             reason=Reason.ENGINE_REJECTED)
+        with self._lock:
+            loaded_before = name in self._adapters
+        if loaded_before and body.get("hot_swap") is not True:
+            # Dynamo without hot swap answers a second load "already loaded" and keeps the
+            # first version: Prepare refuses such a worker, so this is a worker restarted
+            # with other settings since.
+            raise FailedPreconditionError(
+                f"{what}: Dynamo kept the adapter's earlier version ({body.get('message')}); "
+                f"start the worker with {routes.LORA_HOTSWAP_ENV}=true",
+                reason=Reason.ADAPTER_UNSUPPORTED)
 
     def _post_pause(self, mode: PauseMode, deadline: Deadline, keep_cache: bool) -> None:
         # keep_cache (a staged flip that keeps the parked requests' KV cache): Dynamo's

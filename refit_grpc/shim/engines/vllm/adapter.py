@@ -137,10 +137,8 @@ class VLLMEngine(HttpEngine):
         self._quantization: str | None = None
         # The workers' `WorkerInfo.multimodal`, asked with the quantization; None: unknown.
         self._multimodal: bool | None = None
-        # Adapters this shim committed (adapter epochs), and those vLLM served when it started
-        # (`_read_served_adapters`): name -> version.
-        self._adapters: dict[str, int] = {}
-        # Whether the adapters vLLM already served when this shim started were read (status()).
+        # Whether the adapters vLLM already served when this shim started were read (status():
+        # `_read_served_adapters` adds them to `_adapters`).
         self._adapters_read = False
 
     # --- the engine interface --------------------------------------------------------------
@@ -339,11 +337,6 @@ class VLLMEngine(HttpEngine):
 
     # --- adapter epochs (docs/adapters.md) ---------------------------------------------------
 
-    @property
-    def adapters(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._adapters)
-
     def _check_adapter(self, plan: RefitPlan) -> None:
         """Prepare of an adapter plan: every worker says whether vLLM can build the adapter
         (LoRA enabled, its rank and config, the modules it targets); the first problem is the
@@ -413,7 +406,7 @@ class VLLMEngine(HttpEngine):
                     reason=Reason.INVALID_ADAPTER)
 
     def _flip_adapter(self, plan: RefitPlan, digest: str, version: int,
-                      deadline: Deadline) -> str:
+                      deadline: Deadline) -> None:
         """An adapter epoch's flip, while the engine serves: every worker makes its staged copy
         the adapter's pending version in memory (POST /collective_rpc "commit_adapter"), then
         vLLM's API server loads it in place under the adapter's name (POST
@@ -436,20 +429,6 @@ class VLLMEngine(HttpEngine):
         if not 200 <= reply.status < 300:
             raise RefitError(f"{what}: vLLM answered HTTP {reply.status}: "
                              f"{error_text(reply.body)}", reason=Reason.ENGINE_REJECTED)
-        with self._lock:
-            self._adapters[name] = version
-        return ""
-
-    def flip(self, version: int, deadline: Deadline) -> str:
-        """A model's flip is `HttpEngine.flip`'s; an adapter plan's is `_flip_adapter`."""
-        with self._lock:
-            staged = self._staged
-        if staged is None or staged[0].adapter is None:
-            return super().flip(version, deadline)
-        with self._lock:
-            self._staged = None
-            self._committed = self._committed_plan = None  # the copy is spent on the adapter
-        return self._flip_adapter(staged[0], staged[1], version, deadline)
 
     # --- staged epochs ---------------------------------------------------------------------
 
