@@ -35,6 +35,11 @@ abort key, the background teardown) is `HttpEngine`'s; this module holds Dynamo'
                     "refit_grpc_drop_staged", "allow_unpaused": true}, on a background thread
     committed copy  the copy a flip loaded stays on the workers (`HttpEngine`): a delta stage
                     says `delta: true`, and
+    adapters        an adapter plan's Prepare: POST update_weights_from_distributed
+                    {"engine_rpc": "refit_grpc_check_adapter", the plan, a store this shim
+                    hosts}; its flip: {"engine_rpc": "refit_grpc_commit_adapter"}, then POST
+                    load_lora {"lora_name", "source": {"uri": adapter_path(name, version)}}
+                    (Dynamo's hot swap for a later version; never paused)
     serve_copy      POST update_weights_from_distributed {"engine_rpc": "refit_grpc_serve",
                     "allow_unpaused": true, the group, a status key}: the engine's rank-0
                     worker broadcasts its committed copy to the newcomer's group and publishes
