@@ -33,11 +33,11 @@ import torch
 from refit_grpc.plan import AdapterSpec, RefitPlan
 from refit_grpc.reasons import Reason
 from refit_grpc.vllm_plugin.faults import FailingAdapterBuild
+from refit_grpc.wire.vllm import parse_adapter_path
 from refit_grpc.wire.worker import StageStatus
 
 if TYPE_CHECKING:
     from refit_grpc.vllm_plugin.staged import StagedReceive
-from refit_grpc.wire.vllm import parse_adapter_path
 
 log = logging.getLogger("vllm.refit_grpc")
 

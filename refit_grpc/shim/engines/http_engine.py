@@ -55,7 +55,7 @@ import logging
 import threading
 import uuid
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
@@ -64,6 +64,7 @@ from refit_grpc.errors import (
     EngineUnavailableError,
     EpochAbortedError,
     FailedPreconditionError,
+    InvalidPlanError,
     RefitError,
     RefitTimeoutError,
 )
@@ -565,6 +566,19 @@ class HttpEngine(Engine):
     def adapters(self) -> dict[str, int]:
         with self._lock:
             return dict(self._adapters)
+
+    @staticmethod
+    def _refuse_adapter_problems(answers: Iterable[object]) -> None:
+        """Prepare of an adapter plan: the first problem the workers found (`AdapterProblem`
+        as they answer it, `{"problem", "reason"}`) is the refusal, ADAPTER_UNSUPPORTED as the
+        engine's failed precondition, anything else as an invalid plan."""
+        for answer in answers:
+            if not isinstance(answer, dict) or not answer.get("problem"):
+                continue
+            reason = Reason(answer.get("reason") or Reason.INVALID_ADAPTER)
+            cls = FailedPreconditionError if reason is Reason.ADAPTER_UNSUPPORTED \
+                else InvalidPlanError
+            raise cls(str(answer["problem"]), reason=reason)
 
     def _flip_adapter(self, plan: RefitPlan, digest: str, version: int,
                       deadline: Deadline) -> None:

@@ -80,7 +80,6 @@ from refit_grpc.errors import (
     EngineUnavailableError,
     FailedPreconditionError,
     InvalidArgumentError,
-    InvalidPlanError,
     RefitError,
     RefitTimeoutError,
 )
@@ -310,13 +309,7 @@ class DynamoEngine(HttpEngine):
                     f"--worker-extension-cls {routes.WORKER_EXTENSION})",
                     reason=Reason.ADAPTER_UNSUPPORTED) from e
             raise
-        for answer in answers:
-            problem = answer.get("problem") if isinstance(answer, dict) else None
-            if problem:
-                reason = Reason(answer.get("reason") or Reason.INVALID_ADAPTER)
-                cls = FailedPreconditionError if reason is Reason.ADAPTER_UNSUPPORTED \
-                    else InvalidPlanError
-                raise cls(str(problem), reason=reason)
+        self._refuse_adapter_problems(answers)
         if self.checkpoint_dir is not None:
             index = self._read_checkpoint(self.checkpoint_dir)
             if index is not None:

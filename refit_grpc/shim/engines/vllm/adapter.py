@@ -348,13 +348,8 @@ class VLLMEngine(HttpEngine):
                               shapes=[list(s.shape) for s in plan.tensors],
                               adapter=dataclasses.asdict(plan.adapter))
         deadline = Deadline(self.request_timeout_s)
-        for answer in self._worker_rpc(STAGE_OP_CHECK_ADAPTER, deadline, info.to_wire()):
-            problem = answer.get("problem") if isinstance(answer, dict) else None
-            if problem:
-                reason = Reason(answer.get("reason") or Reason.INVALID_ADAPTER)
-                cls = FailedPreconditionError if reason is Reason.ADAPTER_UNSUPPORTED \
-                    else InvalidPlanError
-                raise cls(str(problem), reason=reason)
+        self._refuse_adapter_problems(
+            self._worker_rpc(STAGE_OP_CHECK_ADAPTER, deadline, info.to_wire()))
         # After vLLM's own checks (its rank limit is the clearer message for a wide adapter).
         index = self._checkpoint_index() if self.check_names else None
         if index is not None:
