@@ -147,3 +147,15 @@ def test_the_adapter_uri_given_to_dynamo_resolves_to_a_path_the_workers_loader_r
         asyncio.run(source.download("s3://bucket/tenant-a", Path("/unused")))
     for other in ("/models/tenant-a", "refit-grpc-adapter:/x/tenant-a", "refit-grpc-adapter://7"):
         assert parse_adapter_path(other) is None, other
+
+
+def test_a_workers_info_says_its_adapters_and_an_older_worker_none():
+    """What a Dynamo shim reads of a worker at its start (`WorkerInfo`, pure)."""
+    from refit_grpc.wire.worker import WorkerInfo
+
+    info = WorkerInfo(quantization="none", adapters={"tenant-a": 3})
+    assert WorkerInfo.from_wire(info.to_wire()) == info
+    assert WorkerInfo.from_wire({"quantization": "none"}).adapters == {}  # an older worker
+    for bad in ({"tenant-a": "3"}, ["tenant-a"], {3: 3}):
+        with pytest.raises(ValueError, match="adapters"):
+            WorkerInfo.from_wire({"quantization": "none", "adapters": bad})

@@ -15,7 +15,7 @@ adapter's URI; no file is written).
     model's are what they were; Describe lists the adapter at the version, the flip paused
     nothing. Two more versions while base-model requests stream through the frontend: each
     epoch's longest token gap is printed next to the steady gap, and tokens arrived during the
-    epochs.
+    epochs. A shim restarted beside the worker lists the adapter at the version the worker built.
 (b) Bad adapters are refused at Prepare, typed and named, and nothing changes: a rank over the
     worker's maximum, a module the model cannot adapt. (A worker without LoRA or without
     Dynamo's LoRA settings: tests/test_adapters.py checks the worker's refusal from its
@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from dynamo_support import require_dynamo
+from support import describe
 from vllm_support import require_vllm
 
 require_vllm()  # the trainer's side: transformers, peft (installed with vLLM)
@@ -237,6 +238,16 @@ def test_three_adapter_versions_follow_peft_and_the_base_model_never_changes(rig
     assert sum(1 for times in requests for t in times
                if any(t0 <= t <= t1 for t0, t1, _ in windows)) > 0, \
         "no base-model token arrived during any adapter epoch"
+
+    # A shim started afresh beside the worker (a restart) lists the adapter at the version the
+    # worker built, read from the workers (their engine info), not from flips of its own.
+    restarted = spawn_shim("--engine", "dynamo", "--engine-url", rig.worker.url,
+                           "--instance-id", "dynamo-lora-restarted")
+    try:
+        d = describe(restarted.address, timeout_s=30)
+        assert [(a.name, a.version) for a in d.adapters] == [(NAME, version)], d
+    finally:
+        assert restarted.stop() is not None
 
 
 def test_bad_adapters_are_refused_at_prepare_and_change_nothing(rig):

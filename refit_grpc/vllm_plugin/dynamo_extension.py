@@ -218,14 +218,16 @@ class RefitGlooWorkerExtension:
     def refit_grpc_engine_info(self, master_address: str, master_port: int, info_key: str,
                                **_: Any) -> dict[str, Any]:
         """What this worker says of its engine (`WorkerInfo`: vLLM's quantization method, as
-        the vLLM backend's `engine_info` answers), published under `engine_info_key(info_key,
-        rank)` in the store at `master_address:master_port` (the shim's: Dynamo discards what
-        this returns)."""
+        the vLLM backend's `engine_info` answers, and the adapters it built), published under
+        `engine_info_key(info_key, rank)` in the store at `master_address:master_port` (the
+        shim's: Dynamo discards what this returns)."""
+        from refit_grpc.vllm_plugin.adapters import STORE
         from refit_grpc.vllm_plugin.layerwise import worker_rank
         from refit_grpc.wire.worker import NO_QUANTIZATION, WorkerInfo
 
         info = WorkerInfo(quantization=self.model_config.quantization or NO_QUANTIZATION,
-                          multimodal=bool(self.model_config.is_multimodal_model))
+                          multimodal=bool(self.model_config.is_multimodal_model),
+                          adapters=STORE.versions())
         store = _store_client(master_address, int(master_port))
         store.set(engine_info_key(info_key, worker_rank(self.parallel_config, 0)),
                   json.dumps(info.to_wire()))

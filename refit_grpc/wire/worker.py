@@ -112,10 +112,15 @@ class WorkerInfo:
         multimodal: whether the model takes images (vLLM's `is_multimodal_model`): its
             multimodal and encoder caches hold what the old weights computed, cleared at a
             flip with the prefix cache. Absent in an older worker's answer: False.
+        adapters: the adapters this worker built from adapter epochs, name -> version
+            (`vllm_plugin.adapters.AdapterStore.versions`); unlike the rest it changes, and a
+            shim reads it once, when it starts (a Dynamo shim restarted beside a worker that
+            serves adapters). Absent in an older worker's answer: none.
     """
 
     quantization: str = NO_QUANTIZATION
     multimodal: bool = False
+    adapters: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -127,6 +132,11 @@ class WorkerInfo:
         if not isinstance(body, dict) or not isinstance(body.get("quantization"), str):
             raise ValueError(f"a worker's info must be an object with a quantization, got "
                              f"{body!r:.200}")
+        adapters = body.get("adapters", {})
+        if not isinstance(adapters, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) for k, v in adapters.items()):
+            raise ValueError(f"a worker's adapters must map names to versions, got "
+                             f"{adapters!r:.200}")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in body.items() if k in names})
 

@@ -172,7 +172,7 @@ class DynamoEngine(HttpEngine):
         self.init_weights_timeout_s = self.options.init_weights_timeout_s
         self._world_size = self.options.world_size
         # The workers' `WorkerInfo.quantization` (fixed for the engine's life): None until read
-        # (`_read_quantization`), "" where they cannot say (an extension without the call).
+        # (`_read_worker_info`), "" where they cannot say (an extension without the call).
         self._quantization: str | None = None
         self._info_tries = 0
 
@@ -212,24 +212,26 @@ class DynamoEngine(HttpEngine):
     @property
     def quantization(self) -> str:
         """vLLM's `--quantization` as the worker's workers hold it, asked of them by the first
-        Describe that finds no weight call in flight (`_read_quantization`), then kept (it is
+        Describe that finds no weight call in flight (`_read_worker_info`), then kept (it is
         fixed for the engine's life); "" until then, and where they cannot say."""
         if self._quantization is None and self._info_tries < _INFO_TRIES \
                 and not self._weight_calls:
-            self._read_quantization()
+            self._read_worker_info()
         return self._quantization or ""
 
-    def _read_quantization(self) -> None:
+    def _read_worker_info(self) -> None:
         """Every worker's `WorkerInfo` (`_ask_workers`, `refit_grpc_engine_info`), within the
-        status timeout. Tried `_INFO_TRIES` times at most (a worker that never answers costs
-        the first Describes a status timeout each, not every one)."""
+        status timeout: the quantization, and the adapters the workers already built. Tried
+        `_INFO_TRIES` times at most (a worker that never answers costs the first Describes a
+        status timeout each, not every one)."""
         import torch.distributed as dist
 
         self._info_tries += 1
         try:
             answers = self._ask_workers(routes.engine_info_body, "engine_info",
                                         Deadline(self.status_timeout_s))
-            names = {WorkerInfo.from_wire(a).quantization for a in answers}
+            infos = [WorkerInfo.from_wire(a) for a in answers]
+            names = {info.quantization for info in infos}
         except FailedPreconditionError as e:
             if "has no attribute" in e.message:
                 self._quantization = ""  # an extension without the call: asking again is no use
@@ -239,6 +241,11 @@ class DynamoEngine(HttpEngine):
             return
         # Every worker of one engine loads one model config (as the vLLM adapter reads it).
         self._quantization = names.pop() if len(names) == 1 else ""
+        # The adapters the workers built before this shim started (a restart): what the
+        # engine serves, as vLLM's model list says it for the vLLM engine; this shim's own
+        # flips are the later word. Every worker builds every adapter: the first one says.
+        with self._lock:
+            self._adapters = {**(infos[0].adapters if infos else {}), **self._adapters}
 
     def _ask_workers(self, body_for: Callable[[str, int, str], dict[str, Any]], what: str,
                      deadline: Deadline) -> list[dict[str, Any]]:
