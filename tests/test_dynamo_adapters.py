@@ -24,7 +24,6 @@ adapter's URI; no file is written).
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
@@ -52,9 +51,9 @@ from refit_grpc.testing.dynamo import (  # noqa: E402
     frontend_logprobs,
 )
 from refit_grpc.testing.vllm import http_json  # noqa: E402
-from refit_grpc.tools.bench_stall import Load, gaps, longest_gap  # noqa: E402
 from refit_grpc.wire.dynamo import LORA_ENABLED_ENV, LORA_HOTSWAP_ENV  # noqa: E402
 
+from vllm_support.streams import base_streams_through  # noqa: E402
 from vllm_support.truth import FP32_TOL, MIN_MOVE, SEQUENCE, hf_logprobs, load_model, sgd_step  # noqa: E402
 
 NAME = "tenant-a"
@@ -212,32 +211,10 @@ def test_three_adapter_versions_follow_peft_and_the_base_model_never_changes(rig
         assert moved >= MIN_MOVE, f"v{version}: moved {moved:.4f} only"
 
     streamed_versions = rig.train(2)
-    load = Load(rig.frontend.url, streams=2, max_tokens=160).start()
-    windows = []
-    try:
-        time.sleep(2.0)  # streams running before the first epoch
-        for version, tensors, _, _ in streamed_versions:
-            report = rig.refit(tensors, version)
-            done = time.monotonic()
-            windows.append((done - report.seconds, done, report))
-            time.sleep(1.0)
-    finally:
-        streamed = load.stop()
+    base_streams_through(rig.frontend.url, [(v, tensors) for v, tensors, _, _ in
+                                            streamed_versions], rig.refit, "Dynamo")
     version, _, want, _ = streamed_versions[-1]
     check_version(rig, version, want, base)
-    assert not streamed["errors"], streamed["errors"]
-    requests = streamed["requests"]
-    outside = [b - a for a, b in gaps(requests)
-               if not any(t0 <= b and a <= t1 for t0, t1, _ in windows)]
-    for (t0, t1, report), (version, *_) in zip(windows, streamed_versions):
-        print(f"base-model streams across Dynamo adapter epoch v{version} "
-              f"({(t1 - t0) * 1e3:.0f} ms, broadcast {report.broadcast_seconds * 1e3:.0f} ms): "
-              f"longest token gap {longest_gap(requests, t0, t1) * 1e3:.1f} ms; outside the "
-              f"epochs: median gap {statistics.median(outside) * 1e3:.2f} ms, longest "
-              f"{max(outside) * 1e3:.1f} ms")
-    assert sum(1 for times in requests for t in times
-               if any(t0 <= t <= t1 for t0, t1, _ in windows)) > 0, \
-        "no base-model token arrived during any adapter epoch"
 
     # A shim started afresh beside the worker (a restart) lists the adapter at the version the
     # worker built, read from the workers (their engine info), not from flips of its own.

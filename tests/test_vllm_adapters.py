@@ -28,9 +28,6 @@ the engine serves, then loaded or replaced in place under the adapter's name, fr
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import pytest
 import torch
 
@@ -47,9 +44,9 @@ from refit_grpc.proto import pb  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
 from refit_grpc.shim.process import spawn_shim  # noqa: E402
 from refit_grpc.testing.vllm import SERVED_MODEL, http_json  # noqa: E402
-from refit_grpc.tools.bench_stall import Load, gaps, longest_gap  # noqa: E402
 from refit_grpc.vllm_plugin.faults import FAIL_ADAPTER_BUILD_ENV  # noqa: E402
 
+from vllm_support.streams import base_streams_through  # noqa: E402
 from vllm_support.truth import (  # noqa: E402
     FP32_TOL,
     MIN_MOVE,
@@ -156,31 +153,10 @@ def test_three_adapter_versions_follow_peft_and_the_base_model_never_changes(rig
         assert moved >= MIN_MOVE, f"v{version}: moved {moved:.4f} only"
 
     streamed_versions = train_versions(trainer, 2)
-    load = Load(rig.url, streams=2, max_tokens=160).start()
-    windows = []
-    try:
-        time.sleep(2.0)  # streams running before the first epoch
-        for version, tensors, _, _ in streamed_versions:
-            report = rig.refit(tensors, version, adapter=spec)
-            done = time.monotonic()
-            windows.append((done - report.seconds, done, report))
-            time.sleep(1.0)
-    finally:
-        streamed = load.stop()
+    base_streams_through(rig.url, [(v, tensors) for v, tensors, _, _ in streamed_versions],
+                         lambda tensors, v: rig.refit(tensors, v, adapter=spec), "vLLM")
     version, _, want, _ = streamed_versions[-1]
     check_version(rig, version, want, base)
-    assert not streamed["errors"], streamed["errors"]
-    requests = streamed["requests"]
-    outside = [b - a for a, b in gaps(requests)
-               if not any(t0 <= b and a <= t1 for t0, t1, _ in windows)]
-    for (t0, t1, report), (version, *_) in zip(windows, streamed_versions):
-        print(f"base-model streams across adapter epoch v{version} ({(t1 - t0) * 1e3:.0f} ms, "
-              f"broadcast {report.broadcast_seconds * 1e3:.0f} ms): longest token gap "
-              f"{longest_gap(requests, t0, t1) * 1e3:.1f} ms; outside the epochs: median gap "
-              f"{statistics.median(outside) * 1e3:.2f} ms, longest {max(outside) * 1e3:.1f} ms")
-    assert sum(1 for times in requests for t in times
-               if any(t0 <= t <= t1 for t0, t1, _ in windows)) > 0, \
-        "no base-model token arrived during any adapter epoch"
 
     # A shim started afresh against the engine (a restart) lists the adapter at the version
     # vLLM serves, read from vLLM's model list, not from what it committed itself (nothing).

@@ -310,11 +310,8 @@ class DynamoEngine(HttpEngine):
         try:
             answers = self._ask_workers(body, "check_adapter", Deadline(self.request_timeout_s))
         except FailedPreconditionError as e:
-            if "has no attribute" in e.message and routes.CHECK_ADAPTER_RPC in e.message:
-                raise FailedPreconditionError(
-                    f"{e.message} (the worker's extension has no adapter epochs; start it with "
-                    f"--worker-extension-cls {routes.WORKER_EXTENSION})",
-                    reason=Reason.ADAPTER_UNSUPPORTED) from e
+            _raise_if_without_rpc(e, routes.CHECK_ADAPTER_RPC, "adapter epochs",
+                                  Reason.ADAPTER_UNSUPPORTED)
             raise
         self._refuse_adapter_problems(answers)
         if self.checkpoint_dir is not None:
@@ -455,11 +452,8 @@ class DynamoEngine(HttpEngine):
                        routes.stage_body(plan, timeout_s, status_key, delta, keep_previous),
                        deadline)
         except FailedPreconditionError as e:
-            if "has no attribute" in e.message and routes.STAGE_RPC in e.message:
-                raise FailedPreconditionError(
-                    f"{e.message} (the worker's extension has no staged receive; start it "
-                    f"with --worker-extension-cls {routes.WORKER_EXTENSION})",
-                    reason=Reason.STAGING_UNSUPPORTED) from e
+            _raise_if_without_rpc(e, routes.STAGE_RPC, "staged receive",
+                                  Reason.STAGING_UNSUPPORTED)
             raise
         except EngineUnavailableError as e:
             raise self._gone(e, "starting the staged receive") from e
@@ -537,6 +531,17 @@ class DynamoEngine(HttpEngine):
         alive = self.status().healthy
         state = "still answers its liveness probe" if alive else "is gone (no liveness answer)"
         return EngineUnavailableError(f"{error.message}; the worker {state} {context}")
+
+
+def _raise_if_without_rpc(error: FailedPreconditionError, rpc: str, lacks: str,
+                          reason: Reason) -> None:
+    """Where `error` is the worker's answer to a call its extension does not have (`rpc`;
+    Dynamo answers "has no attribute"), raise it typed `reason`, saying how to start the
+    worker; any other failure is the caller's to raise."""
+    if "has no attribute" in error.message and rpc in error.message:
+        raise FailedPreconditionError(
+            f"{error.message} (the worker's extension has no {lacks}; start it with "
+            f"--worker-extension-cls {routes.WORKER_EXTENSION})", reason=reason) from error
 
 
 def _local_address_towards(host: str) -> str:
