@@ -17,7 +17,13 @@ adapter's URI; no file is written).
     epoch's longest token gap is printed next to the steady gap, and tokens arrived during the
     epochs. A shim restarted beside the worker lists the adapter at the version the worker built.
 (b) Bad adapters are refused at Prepare, typed and named, and nothing changes: a rank over the
-    worker's maximum, a module the model cannot adapt. (A worker without LoRA or without
+    worker's maximum, a module the model cannot adapt.
+(c) A failed adapter flip: the worker's build of the sixth version fails (a deliberate fault in
+    its environment, `REFIT_GRPC_TEST_FAIL_ADAPTER_BUILD=tenant-a:6`) after Dynamo's hot swap
+    removed the fifth. The epoch fails typed, naming the shim and the build's error; Dynamo puts
+    the fifth version back (its own rollback, built again from the workers' memory), so the
+    worker serves it, equal to PEFT's at it, nothing paused; after `readmit()` the next version
+    flips. (A worker without LoRA or without
     Dynamo's LoRA settings: tests/test_adapters.py checks the worker's refusal from its
     environment; starting three more Dynamo workers to show it costs minutes.)
 """
@@ -51,6 +57,7 @@ from refit_grpc.testing.dynamo import (  # noqa: E402
     frontend_logprobs,
 )
 from refit_grpc.testing.vllm import http_json  # noqa: E402
+from refit_grpc.vllm_plugin.faults import FAIL_ADAPTER_BUILD_ENV  # noqa: E402
 from refit_grpc.wire.dynamo import LORA_ENABLED_ENV, LORA_HOTSWAP_ENV  # noqa: E402
 
 from vllm_support.streams import base_streams_through  # noqa: E402
@@ -62,6 +69,9 @@ MAX_RANK = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LR = 1.0  # as the vLLM module: moves some log-probability of the adapter by 0.08-0.12 a version
 VERSIONS = 3
+# (c): the worker's build of this version of the adapter fails (a deliberate fault): after (a)'s
+# five versions and none in (b), the sixth.
+FAILING_BUILD = VERSIONS + 3
 # The base model across adapter epochs: the same worker, kernels and weights.
 BASE_TOL = 1e-6
 EPOCH_S = 120.0
@@ -81,7 +91,8 @@ class Rig:
             self.model_dir, self.discovery_dir, log_path=root / "worker.log", cpu_bind="0",
             extra_args=("--enable-lora", "--max-lora-rank", str(MAX_RANK), "--max-loras", "2"),
             extra_env={LORA_ENABLED_ENV: "true", LORA_HOTSWAP_ENV: "true",
-                       "DYN_LORA_PATH": str(root / "lora-cache")})
+                       "DYN_LORA_PATH": str(root / "lora-cache"),
+                       FAIL_ADAPTER_BUILD_ENV: f"{NAME}:{FAILING_BUILD}"})
         self.frontend = DynamoFrontend(self.discovery_dir, log_path=root / "frontend.log")
         self.shim = None
         config = LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0,
@@ -225,6 +236,11 @@ def test_three_adapter_versions_follow_peft_and_the_base_model_never_changes(rig
         assert [(a.name, a.version) for a in d.adapters] == [(NAME, version)], d
     finally:
         assert restarted.stop() is not None
+    # Its stop tore down the worker's weight-update group (a stopping shim releases its
+    # engine's group), which the module's shim had formed: the trainer forms it again.
+    assert rig.link is not None
+    rig.link.close()
+    rig.link = None
 
 
 def test_bad_adapters_are_refused_at_prepare_and_change_nothing(rig):
@@ -250,3 +266,31 @@ def test_bad_adapters_are_refused_at_prepare_and_change_nothing(rig):
     assert (after.plan_digest, after.weight_version, list(after.adapters)) == \
         (before.plan_digest, before.weight_version, list(before.adapters))
     assert torch.equal(rig.logprobs(NAME), adapter_before)
+
+
+def test_a_failed_adapter_flip_leaves_the_version_before_serving_and_the_next_flips(rig):
+    """(c) Module docstring."""
+    assert rig.version == FAILING_BUILD - 1, "runs after (a) and (b)"
+    assert rig.fleet is not None and rig.shim is not None
+    served, served_want = rig.version, hf_logprobs(rig.model)
+    base = rig.logprobs()
+    ((version, tensors, _, _),) = rig.train(1)
+    with pytest.raises(FleetError) as failed:
+        rig.refit(tensors, version)
+    (failure,) = failed.value.failures
+    print(f"\nDynamo {NAME} v{version}, its build failing: {type(failed.value).__name__}: "
+          f"{failure.reason}: {failure.message}")
+    assert failure.instance_id == rig.shim.instance_id, failure
+    assert "deliberate fault" in failure.message, failure
+    gap = (rig.logprobs(NAME) - served_want).abs().max().item()
+    assert gap <= FP32_TOL, f"after the failed v{version}: {gap:.2e} from v{served}"
+    assert (rig.logprobs() - base).abs().max().item() <= BASE_TOL
+    (d,) = rig.fleet.describe(weights_digest=False)
+    assert [(a.name, a.version) for a in d.adapters] == [(NAME, served)], d
+    assert not d.paused, d
+    print(f"after the failed v{version}: Dynamo serves v{served} (gap to PEFT {gap:.1e}), "
+          f"the base model unchanged, state {pb.ShimState.Name(d.state)}")
+    rig.fleet.readmit(rig.shim.instance_id)
+    ((version, tensors, want, _),) = rig.train(1)
+    rig.refit(tensors, version)
+    check_version(rig, version, want, base)
