@@ -111,12 +111,18 @@ def run_shim(args: argparse.Namespace) -> int:
             engine, config, ServerOptions(address=address, grace_s=args.grace_s,
                                           metrics_address=args.metrics_address),
             credentials=tls.credentials() if tls else None,
-            interceptors=(TokenAuthInterceptor(tokens),) if tokens else ()).start())
+            interceptors=(TokenAuthInterceptor(tokens),) if tokens else ()))
+    # The engines share one receiving rank: an UpdateEngines stream to any runs their epochs.
+    peers = {s.servicer.config.instance_id: s.servicer for s in servers}
+    for server in servers:
+        server.servicer.share_stream_with(peers)
+    for server in servers:
+        server.start()
         # Parent processes (demo, tests) read these lines to learn the ports (0 binds a free
         # one): the metrics line first, then one READY line per engine.
-        if servers[-1].metrics is not None:
-            print(f"{METRICS_PREFIX}http://{servers[-1].metrics.address}/metrics", flush=True)
-        print(f"{READY_PREFIX}{servers[-1].address} {config.instance_id}", flush=True)
+        if server.metrics is not None:
+            print(f"{METRICS_PREFIX}http://{server.metrics.address}/metrics", flush=True)
+        print(f"{READY_PREFIX}{server.address} {server.servicer.config.instance_id}", flush=True)
     if len(servers) == 1:
         servers[0].serve_until_signal(signals)
     else:

@@ -33,6 +33,10 @@ class FleetConfig:
         flip_timeout_s: a staged epoch: how long each engine keeps its staged copy waiting for
             the flip before it drops it and serves on (what a trainer that dies between STAGED
             and the flip costs).
+        stream_per_process: engines of one shim process that share a receiving rank
+            (Describe's `shared_rank`) run an epoch over one UpdateEngines stream, not one
+            UpdateWeights stream each (the trainer's control cost per engine; docs/scale.md).
+            False: a stream per engine, as before (for comparison).
 
     Raises:
         InvalidArgumentError: a value out of range (reason INVALID_WORLD_SIZE, INVALID_BACKEND
@@ -49,6 +53,7 @@ class FleetConfig:
     abort_timeout_s: float = 1.0
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
     flip_timeout_s: float = 120.0
+    stream_per_process: bool = True
 
     def __post_init__(self) -> None:
         if self.engine_world_size < 1:

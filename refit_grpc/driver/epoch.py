@@ -1,6 +1,7 @@
-"""One UpdateWeights epoch as the trainer sees it: a stream per worker, consumed on the
-driver's I/O loop, and the two waits of the two-phase start (every ACCEPTED, then every COMMITTED, or
-for a staged epoch every STAGED: `settle()`)."""
+"""One UpdateWeights epoch as the trainer sees it: a stream per worker (or per shim process
+for engines sharing a rank), consumed on the driver's I/O loop, and the two waits of the
+two-phase start (every ACCEPTED, then every COMMITTED, or for a staged epoch every STAGED:
+`settle()`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from refit_grpc.driver.failures import (
     WorkerFailure,
     explained_by_abort,
     failure_from_rpc,
+    failure_from_status,
     root_causes_first,
 )
 from refit_grpc.driver.io_loop import IoLoop
@@ -61,7 +63,9 @@ class EpochHandle:
     `wait_accepted()`, broadcast, then `result()`.
 
     One UpdateWeights stream per worker, each consumed by a coroutine on the driver's I/O
-    loop (`io`): no thread per worker, however wide the fleet.
+    loop (`io`): no thread per worker, however wide the fleet. Workers that are engines of one
+    shim process sharing a receiving rank (`bundles`) share one UpdateEngines stream instead:
+    one stream per process, what the trainer's control cost per engine is made of.
 
     `close()` cancels every stream still open and waits for its consumers; `Fleet.close()`
     closes every epoch it opened, then the loop.
@@ -74,7 +78,8 @@ class EpochHandle:
                  requests: Sequence[pb.UpdateWeightsRequest], timeout_s: float,
                  abort_fleet: AbortFleet, on_progress: ProgressCallback | None = None, *,
                  io: IoLoop, epoch: Epoch | None = None, checks: Checks | None = None,
-                 pause_mode: PauseMode = PauseMode.KEEP):
+                 pause_mode: PauseMode = PauseMode.KEEP,
+                 bundles: Sequence[Sequence[int]] = ()):
         self.version = version
         self.started_at = time.monotonic()
         self.deadline_at = self.started_at + timeout_s
@@ -90,6 +95,9 @@ class EpochHandle:
         self.checks = checks or Checks()
         self.pause_mode = pause_mode
         self._on_progress = on_progress
+        # Workers (indexes) whose epochs run over one stream to their shim process
+        # (UpdateEngines): engines sharing a receiving rank. Every other worker has its own.
+        self._bundles = [list(b) for b in bundles]
         n = len(self._workers)
         self._phase = [StreamPhase.OPEN] * n
         self._accepted_ever = [False] * n
@@ -334,65 +342,133 @@ class EpochHandle:
     # --- the streams -------------------------------------------------------------------------
 
     async def _consume_all(self, requests: Sequence[pb.UpdateWeightsRequest]) -> None:
-        await asyncio.gather(*(self._consume(i, w, r)
-                               for i, (w, r) in enumerate(zip(self._workers, requests))))
+        bundled = {i for indexes in self._bundles for i in indexes}
+        await asyncio.gather(
+            *(self._consume(i, w, r) for i, (w, r) in enumerate(zip(self._workers, requests))
+              if i not in bundled),
+            *(self._consume_bundle(indexes, requests) for indexes in self._bundles))
 
     async def _consume(self, i: int, w: WorkerLink, request: pb.UpdateWeightsRequest) -> None:
+        """One worker's UpdateWeights stream."""
         failure: WorkerFailure | None = None
         try:
             call = w.stub.UpdateWeights(
                 request, timeout=max(self.deadline_at - time.monotonic(), 0.001),
                 metadata=w.metadata)
-            with self._changed:
-                self._calls[i] = call
-                cancelled = self._cancelled
-            if cancelled:  # cancel() ran while this stream was opening
-                call.cancel()
+            self._opened([i], call)
             async for msg in call:
-                with self._changed:
-                    if msg.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:
-                        if not self._accepted_ever[i]:
-                            self._accepted_ever[i] = True
-                            self._accepted_count += 1
-                            if self._accepted_count == len(self._workers):
-                                self._changed.notify_all()
-                        self._phase[i] = StreamPhase.ACCEPTED
-                    elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
-                        self.buckets_applied[i] = msg.bucket_index + 1
-                    elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_COMMITTED:
-                        self._committed[i] = msg
-                        self._phase[i] = StreamPhase.COMMITTED
-                    elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_STAGED:
-                        self._committed[i] = msg
-                        self._phase[i] = StreamPhase.STAGED
-                if self._on_progress and msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
-                    self._on_progress(w.endpoint.instance_id, msg.bucket_index, msg.bucket_count)
-            if self._committed[i] is None:
-                raise RuntimeError("stream ended without COMMITTED"
-                                   + (" or STAGED" if self.staged else ""))
-        except grpc.RpcError as e:
-            failure = failure_from_rpc(w.endpoint, e)
-        except asyncio.CancelledError:
+                self._said(i, msg)
+            failure = self._ended_well(i)
+        except BaseException as e:  # noqa: BLE001  (a failure of this worker; see _failure)
+            failure = self._failure(w, e)
+        finally:
+            self._end(i, failure)
+
+    async def _consume_bundle(self, indexes: Sequence[int],
+                              requests: Sequence[pb.UpdateWeightsRequest]) -> None:
+        """The workers of one shim process sharing a rank: one UpdateEngines stream, opened
+        to the first of them, carrying each one's epoch (its messages and its end in-band).
+        The stream's own failure is every worker's whose epoch had not ended, each named."""
+        head = self._workers[indexes[0]]
+        index_of = {requests[i].instance_id: i for i in indexes}
+        ended: set[int] = set()
+        try:
+            call = head.stub.UpdateEngines(
+                pb.UpdateEnginesRequest(engines=[requests[i] for i in indexes]),
+                timeout=max(self.deadline_at - time.monotonic(), 0.001), metadata=head.metadata)
+            self._opened(indexes, call)
+            async for batch in call:
+                for update in batch.updates:
+                    i = index_of.get(update.instance_id, -1)
+                    if i < 0 or i in ended:
+                        continue  # not an engine this stream asked for: nothing to record
+                    if not update.ended:
+                        self._said(i, update.update)
+                        continue
+                    ended.add(i)
+                    self._end(i, failure_from_status(self._workers[i].endpoint, update.status)
+                              if update.status else self._ended_well(i))
+            for i in indexes:
+                if i not in ended:
+                    ended.add(i)
+                    w = self._workers[i]
+                    self._end(i, WorkerFailure(
+                        w.endpoint.instance_id, w.endpoint.address, grpc.StatusCode.UNKNOWN,
+                        Reason.DRIVER_ERROR, "its process's UpdateEngines stream ended without "
+                        "this engine's end"))
+        except BaseException as e:  # noqa: BLE001  (a failure of every worker not ended)
+            for i in indexes:
+                if i not in ended:
+                    ended.add(i)
+                    self._end(i, self._failure(self._workers[i], e))
+
+    def _opened(self, indexes: Sequence[int], call: grpc.aio.UnaryStreamCall) -> None:
+        with self._changed:
+            for i in indexes:
+                self._calls[i] = call
+            cancelled = self._cancelled
+        if cancelled:  # cancel() ran while this stream was opening
+            call.cancel()
+
+    def _said(self, i: int, msg: pb.UpdateWeightsResponse) -> None:
+        """One message of worker `i`'s epoch."""
+        with self._changed:
+            if msg.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED:
+                if not self._accepted_ever[i]:
+                    self._accepted_ever[i] = True
+                    self._accepted_count += 1
+                    if self._accepted_count == len(self._workers):
+                        self._changed.notify_all()
+                self._phase[i] = StreamPhase.ACCEPTED
+            elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
+                self.buckets_applied[i] = msg.bucket_index + 1
+            elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_COMMITTED:
+                self._committed[i] = msg
+                self._phase[i] = StreamPhase.COMMITTED
+            elif msg.phase == pb.UPDATE_WEIGHTS_PHASE_STAGED:
+                self._committed[i] = msg
+                self._phase[i] = StreamPhase.STAGED
+        if self._on_progress and msg.phase == pb.UPDATE_WEIGHTS_PHASE_PROGRESS:
+            self._on_progress(self._workers[i].endpoint.instance_id, msg.bucket_index,
+                              msg.bucket_count)
+
+    def _ended_well(self, i: int) -> WorkerFailure | None:
+        """Worker `i`'s epoch ended without an error: a failure only if it never said its
+        last phase."""
+        if self._committed[i] is not None:
+            return None
+        w = self._workers[i]
+        return WorkerFailure(w.endpoint.instance_id, w.endpoint.address, grpc.StatusCode.UNKNOWN,
+                             Reason.DRIVER_ERROR, "stream ended without COMMITTED"
+                             + (" or STAGED" if self.staged else ""))
+
+    @staticmethod
+    def _failure(w: WorkerLink, e: BaseException) -> WorkerFailure:
+        """What a stream's exception says of worker `w`."""
+        if isinstance(e, grpc.RpcError):
+            return failure_from_rpc(w.endpoint, e)
+        if isinstance(e, asyncio.CancelledError):
             # grpc.aio ends a stream this driver cancelled (`cancel()`, the fleet closing) this
             # way, where a blocking stream raised CANCELLED: recorded as that, the consumer ends.
-            failure = WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
-                                    grpc.StatusCode.CANCELLED, grpc.StatusCode.CANCELLED.name,
-                                    "cancelled by the driver")
-        except Exception as e:  # noqa: BLE001  (reported as a failure of this worker)
-            failure = WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
-                                    grpc.StatusCode.UNKNOWN, Reason.DRIVER_ERROR, str(e))
-        finally:
-            with self._changed:
-                if failure is not None:
-                    self._failures[i] = failure
-                    self._failure_order.append(i)
-                    self._phase[i] = StreamPhase.FAILED
-                    self.failed.set()
-                self._done[i] = True
-                self._done_count += 1
-                # Every end wakes the waiters (one wake per stream, each check O(1)): `_settle`
-                # after an abort waits for streams that may end well, not only for failures.
-                self._changed.notify_all()
+            return WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
+                                 grpc.StatusCode.CANCELLED, grpc.StatusCode.CANCELLED.name,
+                                 "cancelled by the driver")
+        return WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
+                             grpc.StatusCode.UNKNOWN, Reason.DRIVER_ERROR, str(e))
+
+    def _end(self, i: int, failure: WorkerFailure | None) -> None:
+        """Worker `i`'s epoch ended, well or with `failure`."""
+        with self._changed:
+            if failure is not None:
+                self._failures[i] = failure
+                self._failure_order.append(i)
+                self._phase[i] = StreamPhase.FAILED
+                self.failed.set()
+            self._done[i] = True
+            self._done_count += 1
+            # Every end wakes the waiters (one wake per stream, each check O(1)): `_settle`
+            # after an abort waits for streams that may end well, not only for failures.
+            self._changed.notify_all()
 
     def _failures_so_far(self) -> list[tuple[int, WorkerFailure]]:
         """(worker index, failure) in the order the failures came; a worker that did not even

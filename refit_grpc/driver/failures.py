@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from refit_grpc.driver.endpoint import WorkerEndpoint
@@ -188,12 +188,37 @@ def failure_from_rpc(endpoint: WorkerEndpoint, err: grpc.RpcError) -> WorkerFail
         A WorkerFailure with the ErrorInfo reason the shim attached (or the status code's name).
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    reason = code.name
     message = err.details() if hasattr(err, "details") else str(err)
     try:
         status = rpc_status.from_call(err)
     except (ValueError, AttributeError):
         status = None
+    return _failure(endpoint, code, message or "", status)
+
+
+def failure_from_status(endpoint: WorkerEndpoint, status: bytes) -> WorkerFailure:
+    """Decode the status one engine's epoch ended with inside an UpdateEngines stream
+    (`EngineUpdate.status`: the google.rpc.Status its UpdateWeights would have ended with),
+    exactly as `failure_from_rpc` decodes that call's.
+
+    Args:
+        endpoint: the engine.
+        status: the serialized google.rpc.Status.
+
+    Returns:
+        A WorkerFailure with the ErrorInfo reason the shim attached (or the status code's name).
+    """
+    parsed = status_pb2.Status.FromString(status)
+    code = _CODES.get(parsed.code, grpc.StatusCode.UNKNOWN)
+    return _failure(endpoint, code, parsed.message, parsed)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _failure(endpoint: WorkerEndpoint, code: grpc.StatusCode, message: str,
+             status: status_pb2.Status | None) -> WorkerFailure:
+    reason = code.name
     if status is not None:
         for detail in status.details:
             if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
@@ -201,8 +226,7 @@ def failure_from_rpc(endpoint: WorkerEndpoint, err: grpc.RpcError) -> WorkerFail
                 detail.Unpack(info)
                 reason = info.reason
     known = Reason.__members__.get(reason)
-    return WorkerFailure(endpoint.instance_id, endpoint.address, code, known or reason,
-                         message or "")
+    return WorkerFailure(endpoint.instance_id, endpoint.address, code, known or reason, message)
 
 
 def odd_digests(digests: Sequence[str]) -> tuple[str | None, list[int]]:

@@ -74,6 +74,9 @@ class RankLayout:
     instances: list[str]
     offsets: list[int]
     inference_world_size: int
+    # Describe's `shared_rank` of each member ("" for an engine of its own rank): engines of
+    # one shared rank run their epochs over one stream (`EpochHandle`).
+    shared: list[str]
 
     def members_of(self, rank: int, width: int) -> list[int]:
         """The members (indices) that hold engine rank `rank` (counted from 0)."""
@@ -130,7 +133,8 @@ class GroupFormation:
                 first_of[d.shared_rank] = next_rank
             offsets.append(next_rank)
             next_rank += width
-        layout = RankLayout([d.instance_id for d in about], offsets, next_rank)
+        layout = RankLayout([d.instance_id for d in about], offsets, next_rank,
+                            [d.shared_rank for d in about])
         self.last_layout = layout
         return layout
 
@@ -163,7 +167,7 @@ class GroupFormation:
         futures = self.calls.join(shims, requests)
         self.group_id = group_id
         self.reform_owed = False
-        self.membership.formed(members, layout.instances)
+        self.membership.formed(members, layout.instances, layout.shared)
         return futures
 
     def check_backend(self) -> None:

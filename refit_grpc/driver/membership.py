@@ -40,6 +40,9 @@ class Member:
         removed: `remove()`d (or gone from a `sync()`): never called again.
         left_behind: why a staged epoch went on without it; None while it is a member.
         joined_as: the instance id it joined the current data group as; None: not in it.
+        shares_rank: the receiving rank it shares with other engines of its shim process
+            (Describe's `shared_rank` when it joined), "" for one of its own: engines of one
+            shared rank run their epochs over one stream.
     """
 
     endpoint: WorkerEndpoint
@@ -47,6 +50,7 @@ class Member:
     removed: bool = False
     left_behind: WorkerFailure | None = None
     joined_as: str | None = None
+    shares_rank: str = ""
 
     @property
     def instance_id(self) -> str:
@@ -173,13 +177,15 @@ class Membership:
 
     # --- the data group -------------------------------------------------------------------
 
-    def formed(self, members: Sequence[Member], instances: Sequence[str]) -> None:
-        """A group is formed of `members`, which joined as `instances` (Describe's answers):
-        it replaces any other."""
+    def formed(self, members: Sequence[Member], instances: Sequence[str],
+               shared: Sequence[str]) -> None:
+        """A group is formed of `members`, which joined as `instances`, sharing the ranks
+        `shared` ("" for a rank of its own; Describe's answers): it replaces any other."""
         for m in self._records:
             m.joined_as = None
-        for m, instance_id in zip(members, instances):
+        for m, instance_id, rank in zip(members, instances, shared):
             m.joined_as = instance_id
+            m.shares_rank = rank
 
     def group_gone(self) -> None:
         """The data group is gone: nobody is in it."""

@@ -6,6 +6,8 @@ calls and each result back into proto, and nothing more:
     fields     what each request field may hold, proto to plan; `groups`: the groups a request
                asks the engine to join
     epoch      UpdateWeights: the epoch asked for, its checks, its run (`receive`: the thread)
+    bundle     UpdateEngines: several engines' UpdateWeights over one stream (engines of this
+               process sharing its rank)
     flip       a staged version's load (Flip, and CatchUp once the peer's copy landed)
     catch_up   both ends of a peer's rendezvous; `canary`: checking and scoring a canary
     status     a `RefitError` as a gRPC status
@@ -27,7 +29,7 @@ from refit_grpc.common import MAX_REASON_CHARS, Deadline, PauseMode
 from refit_grpc.errors import FailedPreconditionError
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.reasons import Reason
-from refit_grpc.shim import catch_up, epoch, flip, groups
+from refit_grpc.shim import bundle, catch_up, epoch, flip, groups
 from refit_grpc.shim.admission import Busy
 from refit_grpc.shim.config import ShimConfig
 from refit_grpc.shim.core import ShimCore, StagedVersion, State
@@ -55,6 +57,15 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._networks = [ipaddress.ip_network(n) for n in self.config.allowed_master_networks]
         # The shim's own listening ports (gRPC, metrics), never a rendezvous (set by ShimServer).
         self.own_ports: frozenset[int] = frozenset()
+        # The engines of this process that share its receiving rank, by instance id, itself
+        # included: those an UpdateEngines stream may name (`share_stream_with`).
+        self.rank_peers: dict[str, RefitServicer] = {self.config.instance_id: self}
+
+    def share_stream_with(self, peers: dict[str, RefitServicer]) -> None:
+        """The engines of this process that share its receiving rank (`refit-grpc shim
+        --engines K` gives every engine the same map, before any server starts): an
+        UpdateEngines stream to any of them may run any of their epochs."""
+        self.rank_peers = peers
 
     # --- what the server and the metrics read ------------------------------------------------
 
@@ -198,6 +209,14 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             # watchdog that ends it even when no cancellation ever arrives.
             context.add_callback(asked.deadline.cancel.set)
             yield from epoch.run_epoch(core, asked, plan, mode, receiving, t0)
+
+    def UpdateEngines(self, request, context) -> Iterator:
+        # Every engine named is checked before any epoch starts: a bad name changes nothing.
+        with status_on_error(context):
+            with self._core.lock:
+                self._core.admit_locked("UpdateEngines")
+            asked = bundle.engines_asked(request, self.rank_peers)
+        yield from bundle.run_engines(asked, context)
 
     def Flip(self, request, context):
         """Switch a STAGED engine to its staged version: pause, load the staged copy, (canary,)

@@ -6,9 +6,13 @@ Two series, each at the widths given:
   that has imported torch), each its own gRPC server and gloo rank (to 64 on 2 cores);
 - **simulated** (labelled so in the output and the figure): shim processes of up to
   `engines_per_process` engines each (`refit-grpc shim --engines K`): every engine its own gRPC
-  server, state and UpdateWeights stream, the engines of a process sharing its one receiving
-  gloo rank (`refit_grpc.shared_rank`), as a host with K engines would run one shim. It reaches
-  1,000 engines on 2 cores; what it cannot show is K engines' own compute on separate GPUs.
+  server and state, the engines of a process sharing its one receiving gloo rank
+  (`refit_grpc.shared_rank`) and one UpdateEngines stream per epoch, as a host with K engines
+  would run one shim. It reaches 1,000 engines on 2 cores; what it cannot show is K engines'
+  own compute on separate GPUs.
+- **sim/engine**: the same simulated fleet, each width measured right after the simulated
+  row, with the driver opening a stream per engine (`FleetConfig.stream_per_process=False`):
+  what the stream per process saves, side by side in one run.
 
 The plan is tiny
 (`buckets` buckets of 16 KiB), so what an epoch costs beyond its broadcast is control: the
@@ -53,7 +57,7 @@ class ScaleRow:
     """One width's medians (module docstring)."""
 
     engines: int
-    series: str  # "processes" or "simulated"
+    series: str  # "processes", "simulated" or "sim/engine"
     form_s: float
     epoch_s: float
     broadcast_s: float
@@ -102,9 +106,11 @@ def _weights(version: int, buckets: int) -> dict[str, torch.Tensor]:
 
 
 def measure_width(shims: list, epochs: int, buckets: int, first_version: int,
-                  series: str = "processes") -> ScaleRow:
+                  series: str = "processes", *, stream_per_process: bool = True,
+                  floor_ms: float | None = None) -> ScaleRow:
     """One width: a new Fleet of `shims`, formed, `epochs` in-place epochs from version
-    `first_version` on, one more to warm up first (module docstring)."""
+    `first_version` on, one more to warm up first (module docstring). `floor_ms`: the floor
+    measured already on these shims (else measured here)."""
     from refit_grpc.driver import Fleet, WorkerEndpoint
 
     endpoints = [WorkerEndpoint(s.instance_id, s.address) for s in shims]
@@ -122,7 +128,7 @@ def measure_width(shims: list, epochs: int, buckets: int, first_version: int,
             peak_threads[0] = max(peak_threads[0], _status("Threads"))
 
     fleet = Fleet(endpoints, packing=Packing(_BUCKET_BYTES, 2), join_timeout_s=120,
-                  epoch_timeout_s=120)
+                  epoch_timeout_s=120, stream_per_process=stream_per_process)
     link = None
     try:
         t0 = time.perf_counter()
@@ -147,7 +153,8 @@ def measure_width(shims: list, epochs: int, buckets: int, first_version: int,
         return ScaleRow(len(shims), series, form_s, statistics.median(walls), statistics.median(sends),
                         statistics.median(cpus) * 1e3, max(peak_threads[0], _status("Threads")),
                         _status("VmRSS") / 1024, statistics.median(copies), describe_s,
-                        stream_floor_ms([s.address for s in shims], epochs))
+                        stream_floor_ms([s.address for s in shims], epochs)
+                        if floor_ms is None else floor_ms)
     finally:
         if link is not None:
             link.close()
@@ -225,8 +232,9 @@ def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
             server.started.clear()
         if simulated:
             say(f"simulated: shim processes of up to {engines_per_process} engines each, every "
-                "engine its own gRPC server and stream, one shared receiving gloo rank per "
-                "process (a SIMULATION of a fleet on one host)")
+                "engine its own gRPC server, one shared receiving gloo rank and one "
+                "UpdateEngines stream per process (a SIMULATION of a fleet on one host); "
+                "sim/engine: the same fleet, the driver opening a stream per engine")
             shims = []
             for width in sorted(simulated):
                 while len(shims) < width:
@@ -239,12 +247,17 @@ def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
                                           series="simulated"))
                 version += epochs + 1
                 _print_row(say, rows[-1], header=not widths and len(rows) == 1)
+                rows.append(measure_width(shims[:width], epochs, buckets, version,
+                                          series="sim/engine", stream_per_process=False,
+                                          floor_ms=rows[-1].floor_per_engine_ms))
+                version += epochs + 1
+                _print_row(say, rows[-1], header=False)
             say(_operator_calls(shims))
             if faults:
                 victims = [server.start(*args, "--instance-id", f"victim-{i}")
                            for i in range(3 * faults)]
                 faults_at_width(shims, victims, faults, buckets, version, say)
-    for series in ("processes", "simulated"):
+    for series in ("processes", "simulated", "sim/engine"):
         mine = [r for r in rows if r.series == series]
         if len(mine) >= 2:
             a, b = mine[0], mine[-1]
@@ -382,10 +395,10 @@ def _operator_calls(shims: list) -> str:
 
 def _print_row(say, r: ScaleRow, header: bool) -> None:
     if header:
-        say(f"{'series':>9} {'engines':>7} {'form s':>7} {'epoch ms':>9} {'bcast ms':>9} "
+        say(f"{'series':>10} {'engines':>7} {'form s':>7} {'epoch ms':>9} {'bcast ms':>9} "
             f"{'control ms':>10} {'cpu ms':>7} {'cpu/eng ms':>10} {'threads':>7} {'rss MB':>7} "
             f"{'egress x':>8} {'describe ms':>11} {'floor/eng ms':>12}")
-    say(f"{r.series:>9} {r.engines:>7} {r.form_s:>7.2f} {r.epoch_s * 1e3:>9.1f} "
+    say(f"{r.series:>10} {r.engines:>7} {r.form_s:>7.2f} {r.epoch_s * 1e3:>9.1f} "
         f"{r.broadcast_s * 1e3:>9.1f} {r.control_s * 1e3:>10.1f} {r.cpu_ms:>7.1f} "
         f"{r.cpu_per_engine_ms:>10.3f} {r.threads:>7} {r.rss_mb:>7.0f} {r.egress_copies:>8.1f} "
         f"{r.describe_s * 1e3:>11.1f} {r.floor_per_engine_ms:>12.3f}")
@@ -398,7 +411,7 @@ def _draw(rows: list[ScaleRow], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for series, mark in (("processes", "o"), ("simulated", "s")):
+    for series, mark in (("processes", "o"), ("simulated", "s"), ("sim/engine", "^")):
         mine = [r for r in rows if r.series == series]
         if not mine:
             continue
