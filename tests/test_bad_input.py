@@ -41,6 +41,8 @@ from refit_grpc.common import (
     Deadline,
     digest_problem,
 )
+from refit_grpc.driver import WorkerEndpoint
+from refit_grpc.driver.failures import failure_from_status
 from refit_grpc.errors import ERROR_DOMAIN, RefitError
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.proto import pb, pb_grpc
@@ -58,9 +60,9 @@ EXAMPLES = int(os.environ.get("REFIT_FUZZ_EXAMPLES", "200"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))
 TIMEOUT_S = 5.0
-RPCS = ("Describe", "Prepare", "InitCollective", "UpdateWeights", "Flush", "Abort", "Flip",
-        "ServeCatchUp", "CatchUp", "Rollback")
-STREAMING = {"InitCollective", "UpdateWeights", "ServeCatchUp"}
+RPCS = ("Describe", "Prepare", "InitCollective", "UpdateWeights", "UpdateEngines", "Flush",
+        "Abort", "Flip", "ServeCatchUp", "CatchUp", "Rollback")
+STREAMING = {"InitCollective", "UpdateWeights", "UpdateEngines", "ServeCatchUp"}
 INT32 = (-(1 << 31), (1 << 31) - 1)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -316,7 +318,9 @@ def test_init_collective(rig):
     assert_every_field_fuzzed("InitCollective", pb.InitCollectiveRequest, set())
 
 
-def test_update_weights(rig):
+def update_weights_fuzz(rig: Rig) -> tuple[dict, dict, dict]:
+    """UpdateWeights' base request (a staged epoch the rig would accept), the bad values of each
+    field, and the fields whose every value is valid."""
     base = dict(version=2, plan_digest=rig.plan.digest, group_id=rig.group_id,
                 pause_mode=pb.PAUSE_MODE_KEEP, instance_id=rig.instance_id,
                 mode=pb.EPOCH_MODE_STAGED)
@@ -338,17 +342,54 @@ def test_update_weights(rig):
         # The base epoch is staged: it never pauses, so it has nothing to resume.
         "resume_on_commit": st.just(True),
     }
+    return base, bad, {"verify_weights": st.booleans(), "reversible": st.booleans()}
+
+
+def test_update_weights(rig):
+    base, bad, free = update_weights_fuzz(rig)
 
     @SETTINGS
     @given(st.data())
     def check(data):
         call(rig, "UpdateWeights", pb.UpdateWeightsRequest(**mutate(
-            data, "UpdateWeights", base, bad, {"verify_weights": st.booleans(),
-                                               "reversible": st.booleans()})))
+            data, "UpdateWeights", base, bad, free)))
 
     check()
-    assert_every_field_fuzzed("UpdateWeights", pb.UpdateWeightsRequest,
-                              {"verify_weights", "reversible"})
+    assert_every_field_fuzzed("UpdateWeights", pb.UpdateWeightsRequest, set(free))
+
+
+def test_update_engines(rig):
+    """The same bad epochs through UpdateEngines, for the rig's own engine: the stream ends OK and
+    carries the engine's end in-band, a typed refusal (code and reason, decoded as a call's),
+    before any ACCEPTED; nothing changes."""
+    base, bad, free = update_weights_fuzz(rig)
+    # (A request naming no engine of the process refuses the whole call: `call()` checks it.)
+    endpoint = WorkerEndpoint(rig.instance_id, rig.server.address)
+
+    @SETTINGS
+    @given(st.data())
+    def check(data):
+        one = pb.UpdateWeightsRequest(**mutate(data, "UpdateEngines", base, bad, free))
+        before = rig.snapshot()
+        try:
+            if one.instance_id != rig.instance_id:
+                call(rig, "UpdateEngines", pb.UpdateEnginesRequest(engines=[one]))
+                return
+            updates = [u for m in rig.stub.UpdateEngines(
+                pb.UpdateEnginesRequest(engines=[one]), timeout=TIMEOUT_S) for u in m.updates]
+            assert [u.ended for u in updates] == [True], updates
+            failure = failure_from_status(endpoint, updates[0].status)
+            assert failure.code not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN,
+                                        grpc.StatusCode.INTERNAL), failure
+            assert failure.reason and failure.message, failure
+            assert rig.snapshot() == before, one
+        except AssertionError:
+            findings["UpdateEngines"] += 1
+            raise
+        tried["UpdateEngines"] += 1
+        answers["UpdateEngines"][f"in-band {failure.code.name}/{failure.reason}"] += 1
+
+    check()
 
 
 def test_rollback(rig):

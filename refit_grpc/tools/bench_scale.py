@@ -418,8 +418,9 @@ def _draw(rows: list[ScaleRow], path: str) -> None:
         n = [r.engines for r in mine]
         left.plot(n, [r.cpu_per_engine_ms for r in mine], mark + "-",
                   label=f"trainer CPU per engine, {series}")
-        left.plot(n, [r.floor_per_engine_ms for r in mine], mark + "--",
-                  label=f"floor: one refused stream per engine, {series}")
+        if series != "sim/engine":  # the simulated fleet's floor, measured once
+            left.plot(n, [r.floor_per_engine_ms for r in mine], mark + "--",
+                      label=f"floor: one refused stream per engine, {series}")
         right.plot(n, [r.control_s * 1e3 for r in mine], mark + "-",
                    label=f"control over broadcast, {series}")
         right.plot(n, [r.epoch_s * 1e3 for r in mine], mark + ":",
