@@ -61,7 +61,7 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))
 TIMEOUT_S = 5.0
 RPCS = ("Describe", "Prepare", "InitCollective", "UpdateWeights", "UpdateEngines", "Flush",
-        "Abort", "Flip", "ServeCatchUp", "CatchUp", "Rollback")
+        "Abort", "Flip", "FlipEngines", "ServeCatchUp", "CatchUp", "Rollback")
 STREAMING = {"InitCollective", "UpdateWeights", "UpdateEngines", "ServeCatchUp"}
 INT32 = (-(1 << 31), (1 << 31) - 1)
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -360,36 +360,46 @@ def test_update_weights(rig):
 
 def test_update_engines(rig):
     """The same bad epochs through UpdateEngines, for the rig's own engine: the stream ends OK and
-    carries the engine's end in-band, a typed refusal (code and reason, decoded as a call's),
-    before any ACCEPTED; nothing changes."""
+    carries the engine's end in-band, a typed refusal, before any ACCEPTED; nothing changes."""
     base, bad, free = update_weights_fuzz(rig)
-    # (A request naming no engine of the process refuses the whole call: `call()` checks it.)
-    endpoint = WorkerEndpoint(rig.instance_id, rig.server.address)
+
+    def ends(one: pb.UpdateWeightsRequest) -> list[bytes]:
+        updates = [u for m in rig.stub.UpdateEngines(
+            pb.UpdateEnginesRequest(engines=[one]), timeout=TIMEOUT_S) for u in m.updates]
+        assert [u.ended for u in updates] == [True], updates
+        return [updates[0].status]
 
     @SETTINGS
     @given(st.data())
     def check(data):
         one = pb.UpdateWeightsRequest(**mutate(data, "UpdateEngines", base, bad, free))
-        before = rig.snapshot()
-        try:
-            if one.instance_id != rig.instance_id:
-                call(rig, "UpdateEngines", pb.UpdateEnginesRequest(engines=[one]))
-                return
-            updates = [u for m in rig.stub.UpdateEngines(
-                pb.UpdateEnginesRequest(engines=[one]), timeout=TIMEOUT_S) for u in m.updates]
-            assert [u.ended for u in updates] == [True], updates
-            failure = failure_from_status(endpoint, updates[0].status)
-            assert failure.code not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN,
-                                        grpc.StatusCode.INTERNAL), failure
-            assert failure.reason and failure.message, failure
-            assert rig.snapshot() == before, one
-        except AssertionError:
-            findings["UpdateEngines"] += 1
-            raise
-        tried["UpdateEngines"] += 1
-        answers["UpdateEngines"][f"in-band {failure.code.name}/{failure.reason}"] += 1
+        in_band(rig, "UpdateEngines", one, pb.UpdateEnginesRequest(engines=[one]), ends)
 
     check()
+
+
+def in_band(rig: Rig, rpc: str, one, request, ends) -> None:
+    """One bad request for the rig's own engine through a carrier (`rpc`: UpdateEngines,
+    FlipEngines): it must come back in-band (`ends(one)`: each engine's status), a typed refusal
+    decoded as the engine's own call's would be (code and reason), and change nothing. A request
+    naming another engine refuses the whole call (`call()` checks that)."""
+    if one.instance_id != rig.instance_id:
+        call(rig, rpc, request)
+        return
+    before = rig.snapshot()
+    try:
+        (status,) = ends(one)
+        failure = failure_from_status(WorkerEndpoint(rig.instance_id, rig.server.address),
+                                      status)
+        assert status and failure.code not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN,
+                                               grpc.StatusCode.INTERNAL), failure
+        assert failure.reason and failure.message, failure
+        assert rig.snapshot() == before, one
+    except AssertionError:
+        findings[rpc] += 1
+        raise
+    tried[rpc] += 1
+    answers[rpc][f"in-band {failure.code.name}/{failure.reason}"] += 1
 
 
 def test_rollback(rig):
@@ -414,7 +424,8 @@ def test_rollback(rig):
     assert_every_field_fuzzed("Rollback", pb.RollbackRequest, {"stay_paused", "verify_weights"})
 
 
-def test_flip(rig):
+def flip_fuzz(rig: Rig) -> tuple[dict, dict, dict]:
+    """Flip's base request, the bad values of each field, the fields any value of is valid."""
     base = dict(version=2, staged_digest=rig.copy_digest, instance_id=rig.instance_id,
                 pause_mode=pb.PAUSE_MODE_KEEP)
     bad = {
@@ -423,18 +434,41 @@ def test_flip(rig):
         "instance_id": st.one_of(bad_id, st.just("another-instance")),
         "pause_mode": bad_enum,
     }
+    return base, bad, {"stay_paused": st.booleans(), "keep_cache": st.booleans()}
+
+
+def test_flip(rig):
+    base, bad, free = flip_fuzz(rig)
 
     @SETTINGS
     @given(st.data())
     def check(data):
-        call(rig, "Flip", pb.FlipRequest(**mutate(data, "Flip", base, bad,
-                                                  {"stay_paused": st.booleans(),
-                                                   "keep_cache": st.booleans()})))
+        call(rig, "Flip", pb.FlipRequest(**mutate(data, "Flip", base, bad, free)))
 
     check()
     # keep_cache alone is valid with KEEP; with another pause mode it is refused
     # (INVALID_KEEP_CACHE, tests/test_keep_cache.py).
-    assert_every_field_fuzzed("Flip", pb.FlipRequest, {"stay_paused", "keep_cache"})
+    assert_every_field_fuzzed("Flip", pb.FlipRequest, set(free))
+
+
+def test_flip_engines(rig):
+    """The same bad flips through FlipEngines, for the rig's own engine: the call answers OK with
+    the engine's typed refusal in it; nothing changes."""
+    base, bad, free = flip_fuzz(rig)
+
+    def ends(one: pb.FlipRequest) -> list[bytes]:
+        answer = rig.stub.FlipEngines(pb.FlipEnginesRequest(engines=[one]), timeout=TIMEOUT_S)
+        assert [e.instance_id for e in answer.engines] == [one.instance_id], answer
+        assert not answer.engines[0].HasField("flip"), answer
+        return [answer.engines[0].status]
+
+    @SETTINGS
+    @given(st.data())
+    def check(data):
+        one = pb.FlipRequest(**mutate(data, "FlipEngines", base, bad, free))
+        in_band(rig, "FlipEngines", one, pb.FlipEnginesRequest(engines=[one]), ends)
+
+    check()
 
 
 def test_serve_catch_up(rig):

@@ -95,11 +95,12 @@ def test_make_bench_scale_runs_and_draws_its_figure():
     lines = bench_lines("bench-scale")
     out = run_target("bench-scale", 100)
     rows = [ln.split() for ln in out.splitlines()
-            if ln.split()[:1] in (["processes"], ["simulated"], ["sim/engine"])
+            if ln.split()[:1] in (["processes"], ["simulated"], ["sim/engine"], ["staged"],
+                                  ["staged/eng"])
             and ln.split()[1].isdigit()]
-    assert [(r[0], int(r[1])) for r in rows] == [
-        ("processes", 2), ("processes", 4), ("simulated", 3), ("sim/engine", 3),
-        ("simulated", 8), ("sim/engine", 8)], out
+    simulated = ("simulated", "sim/engine", "staged", "staged/eng")
+    assert [(r[0], int(r[1])) for r in rows] == [("processes", 2), ("processes", 4)] + [
+        (series, n) for n in (3, 8) for series in simulated], out
     assert "a SIMULATION" in out and "at 8 engines (simulated): `fleet status`" in out, out
     # Faults at the widest simulated width: the killed engine named first, the quorum flipped.
     assert "naming the 1 first: yes" in out, out

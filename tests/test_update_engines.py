@@ -1,6 +1,7 @@
 """Engines of one shim process that share a receiving rank run an epoch over one UpdateEngines
-stream (issue 21, docs/scale.md): the trainer opens one stream per process, not one per engine,
-and each engine's epoch is exactly its UpdateWeights, its failures in-band and named.
+stream and flip in one FlipEngines call (issue 21, docs/scale.md): the trainer makes one call per
+process, not one per engine, and each engine's epoch (flip) is exactly its UpdateWeights (Flip),
+its failures in-band and named.
 
 Real in-process shims on loopback, as `refit-grpc shim --engines K` builds them (reference engines
 sharing one `SharedRank`, each its own gRPC server and Prometheus endpoint, every engine's servicer
@@ -97,16 +98,19 @@ def test_one_stream_per_process_carries_every_engines_epoch(process):
         assert versions(servers) == [2] * ENGINES
         for e in engines:
             assert torch.equal(e.tensor("w3"), weights(2)["w3"]) and not e.is_paused()
-        # Two epochs: one stream each for the whole process, none per engine.
-        assert (calls(servers, "UpdateEngines"), calls(servers, "UpdateWeights")) == (2, 0)
+        # Two epochs: one stream each for the whole process, none per engine; the staged one's
+        # flips in one call.
+        assert [calls(servers, m) for m in ("UpdateEngines", "UpdateWeights", "FlipEngines",
+                                             "Flip")] == [2, 0, 1, 0]
         link.close()
 
-    # The same fleet without it (for comparison: FleetConfig.stream_per_process): a stream each.
+    # The same fleet without it (for comparison: FleetConfig.stream_per_process): a call each.
     with fleet_of(servers, stream_per_process=False) as fleet:
         link = connected(fleet, weights(3))
-        fleet.refit(link, weights(3), version=3)
+        fleet.refit(link, weights(3), version=3, epoch=Staged())
         assert versions(servers) == [3] * ENGINES
-        assert (calls(servers, "UpdateEngines"), calls(servers, "UpdateWeights")) == (2, ENGINES)
+        assert [calls(servers, m) for m in ("UpdateEngines", "UpdateWeights", "FlipEngines",
+                                             "Flip")] == [2, ENGINES, 1, ENGINES]
         link.close()
 
 
@@ -166,4 +170,34 @@ def test_update_engines_refuses_names_it_does_not_serve_and_decodes_each_engines
                 alone = failure_from_rpc(WorkerEndpoint(name, "-"), e)
             within = failure_from_status(WorkerEndpoint(name, "-"), u.status)
             assert alone is not None and within == alone, (within, alone)
+    assert [s.servicer.state() for s in servers] == states
+
+
+def test_flip_engines_refuses_names_it_does_not_serve_and_answers_each_engines_refusal(process):
+    _, servers = process
+    states = [s.servicer.state() for s in servers]
+    flips = [pb.FlipRequest(version=1, staged_digest="0" * 64, instance_id=f"e{k}")
+             for k in range(ENGINES)]
+    with grpc.insecure_channel(servers[2].address) as channel:
+        stub = pb_grpc.RefitServiceStub(channel)
+        for engines, needle in [([], "names no engine"), ([flips[0], flips[0]], "named twice"),
+                                ([pb.FlipRequest(version=1, instance_id="x")], "serves no")]:
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.FlipEngines(pb.FlipEnginesRequest(engines=engines), timeout=10)
+            f = failure_from_rpc(WorkerEndpoint("e2", servers[2].address), refused.value)
+            assert (f.reason, needle in f.message) == (Reason.INVALID_INSTANCE_ID, True), f
+        # Nothing is staged: each engine's Flip refuses, answered per engine, in order.
+        answer = stub.FlipEngines(pb.FlipEnginesRequest(engines=flips[:2]), timeout=10)
+        assert [e.instance_id for e in answer.engines] == ["e0", "e1"]
+        for k, e in enumerate(answer.engines):
+            with grpc.insecure_channel(servers[k].address) as own:
+                with pytest.raises(grpc.RpcError) as alone:
+                    pb_grpc.RefitServiceStub(own).Flip(flips[k], timeout=10)
+            endpoint = WorkerEndpoint(f"e{k}", "-")
+            within, direct = (failure_from_status(endpoint, e.status),
+                              failure_from_rpc(endpoint, alone.value))
+            # (The direct Flip's message adds the engine's last error: the refusal just made.)
+            assert (within.code, within.reason) == (direct.code, direct.reason), (within, direct)
+            assert within.reason == Reason.NOT_STAGED and direct.message.startswith(
+                within.message), (within, direct)
     assert [s.servicer.state() for s in servers] == states

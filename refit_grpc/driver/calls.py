@@ -37,9 +37,11 @@ from refit_grpc.driver.failures import (
     FleetTimeoutError,
     WorkerFailure,
     failure_from_rpc,
+    failure_from_status,
 )
 from refit_grpc.driver.io_loop import IoLoop
 from refit_grpc.proto import PAUSE_MODE_TO_PROTO, pb, pb_grpc
+from refit_grpc.reasons import Reason
 
 T = TypeVar("T")
 
@@ -147,6 +149,57 @@ class ShimCalls:
                                                  metadata=w.metadata)
 
         return self.io.run(self._answers(links, [one(w) for w in links]))
+
+    def flips(self, links: Sequence[WorkerLink], requests: Sequence[pb.FlipRequest],
+              bundles: Sequence[Sequence[int]], timeout_s: float) -> list[Any]:
+        """Flip on every link at once, each tried once within `timeout_s` (a Flip that reached
+        its shim is never repeated); the links of one bundle (engines of one shim process
+        sharing a rank) in one FlipEngines call to the first of them. One entry per link: its
+        FlipResponse or the `WorkerFailure` naming it (an engine's own status decoded as its
+        Flip's would be; a failed FlipEngines call names every engine it carried)."""
+        bundled = {i for b in bundles for i in b}
+        singles = [i for i in range(len(links)) if i not in bundled]
+
+        async def one(i: int) -> Any:
+            w = links[i]
+            try:
+                return await w.stub.Flip(requests[i], timeout=timeout_s, metadata=w.metadata)
+            except grpc.RpcError as e:
+                return failure_from_rpc(w.endpoint, e)
+
+        async def together(indexes: Sequence[int]) -> list[Any]:
+            head = links[indexes[0]]
+            try:
+                answer = await head.stub.FlipEngines(
+                    pb.FlipEnginesRequest(engines=[requests[i] for i in indexes]),
+                    timeout=timeout_s, metadata=head.metadata)
+            except grpc.RpcError as e:
+                return [failure_from_rpc(links[i].endpoint, e) for i in indexes]
+            by_id = {flipped.instance_id: flipped for flipped in answer.engines}
+            out: list[Any] = []
+            for i in indexes:
+                w, flipped = links[i], by_id.get(requests[i].instance_id)
+                if flipped is None:
+                    out.append(WorkerFailure(w.endpoint.instance_id, w.endpoint.address,
+                                             grpc.StatusCode.UNKNOWN, Reason.DRIVER_ERROR,
+                                             "its process's FlipEngines did not answer for it"))
+                else:
+                    out.append(failure_from_status(w.endpoint, flipped.status)
+                               if flipped.status else flipped.flip)
+            return out
+
+        async def run() -> list[Any]:
+            answers = await asyncio.gather(*(one(i) for i in singles),
+                                           *(together(b) for b in bundles))
+            out: list[Any] = [None] * len(links)
+            for i, answer in zip(singles, answers):
+                out[i] = answer
+            for b, grouped in zip(bundles, answers[len(singles):]):
+                for i, answer in zip(b, grouped):
+                    out[i] = answer
+            return out
+
+        return self.io.run(run())
 
     def abort(self, reason: str, links: Sequence[WorkerLink], *, keep_staged: bool = False
               ) -> list[pb.AbortResponse | None]:

@@ -34,9 +34,9 @@ class FleetConfig:
             the flip before it drops it and serves on (what a trainer that dies between STAGED
             and the flip costs).
         stream_per_process: engines of one shim process that share a receiving rank
-            (Describe's `shared_rank`) run an epoch over one UpdateEngines stream, not one
-            UpdateWeights stream each (the trainer's control cost per engine; docs/scale.md).
-            False: a stream per engine, as before (for comparison).
+            (Describe's `shared_rank`) run an epoch over one UpdateEngines stream and flip in
+            one FlipEngines call, not a stream and a Flip each (the trainer's control cost per
+            engine; docs/scale.md). False: a call per engine, as before (for comparison).
 
     Raises:
         InvalidArgumentError: a value out of range (reason INVALID_WORLD_SIZE, INVALID_BACKEND

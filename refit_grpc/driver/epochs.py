@@ -5,7 +5,6 @@ base, and the epochs still open (closed with the fleet)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,7 @@ from refit_grpc.driver.checks import Checks
 from refit_grpc.driver.config import FleetConfig
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback
 from refit_grpc.driver.groups import GroupFormation
-from refit_grpc.driver.membership import Member, Membership, links
+from refit_grpc.driver.membership import Membership, links, rank_bundles
 from refit_grpc.driver.options import Epoch, Staged
 from refit_grpc.plan import RefitPlan
 from refit_grpc.proto import EPOCH_MODE_TO_PROTO, PAUSE_MODE_TO_PROTO, pb
@@ -105,7 +104,7 @@ class Epochs:
         handle = EpochHandle(links(group), version, requests, self.config.epoch_timeout_s,
                              self.formation.abort_epoch, on_progress, io=self.calls.io,
                              epoch=epoch, checks=checks, pause_mode=pause_mode,
-                             bundles=stream_bundles(group) if self.config.stream_per_process
+                             bundles=rank_bundles(group) if self.config.stream_per_process
                              else [])
         with self._lock:
             # Finished epochs are dropped here, so a long run keeps only the open ones.
@@ -123,16 +122,6 @@ class Epochs:
         for epoch in epochs:
             epoch.close()
         return epochs
-
-
-def stream_bundles(group: Sequence[Member]) -> list[list[int]]:
-    """The members (indexes) whose epochs run over one stream: engines of one shim process
-    that share a receiving rank, two or more."""
-    by_rank: dict[str, list[int]] = {}
-    for i, m in enumerate(group):
-        if m.shares_rank:
-            by_rank.setdefault(m.shares_rank, []).append(i)
-    return [indexes for indexes in by_rank.values() if len(indexes) > 1]
 
 
 @dataclass(frozen=True)

@@ -219,4 +219,15 @@ def links(members: Sequence[Member]) -> list[WorkerLink]:
     return [m.link for m in members]
 
 
-__all__ = ["Member", "Membership", "ValidateWorkers", "endpoint_of", "links"]
+def rank_bundles(members: Sequence[Member]) -> list[list[int]]:
+    """The members (indexes) that are engines of one shim process sharing a receiving rank,
+    two or more: their epochs run over one UpdateEngines stream and their flips in one
+    FlipEngines call (`FleetConfig.stream_per_process`)."""
+    by_rank: dict[str, list[int]] = {}
+    for i, m in enumerate(members):
+        if m.shares_rank:
+            by_rank.setdefault(m.shares_rank, []).append(i)
+    return [indexes for indexes in by_rank.values() if len(indexes) > 1]
+
+
+__all__ = ["Member", "Membership", "ValidateWorkers", "endpoint_of", "links", "rank_bundles"]

@@ -31,7 +31,7 @@ from refit_grpc.driver.failures import (
     odd_digests,
 )
 from refit_grpc.driver.links import GlooLink, TrainerLink
-from refit_grpc.driver.membership import Member, links
+from refit_grpc.driver.membership import Member, links, rank_bundles
 from refit_grpc.driver.options import Staged
 from refit_grpc.driver.reports import EpochReport, RollbackReport, WorkerReport
 from refit_grpc.driver.rollback import Rollbacks, no_previous_copy
@@ -399,12 +399,14 @@ class StagedRound(RoundParts):
         shim is not repeated): each answer, or why it did not flip. Each Flip names the
         instance that staged, so a shim restarted since cannot flip what it lost."""
         members = list(staged_as)
-        instance_of = {m.instance_id: staged_as[m] for m in members}
-        answers = self.calls.once("Flip", links(members), lambda w: pb.FlipRequest(
+        requests = [pb.FlipRequest(
             version=version, staged_digest=digest, pause_mode=PAUSE_MODE_TO_PROTO[pause_mode],
-            stay_paused=stay_paused, instance_id=instance_of[w.endpoint.instance_id],
-            keep_cache=keep_cache),
-            self.epochs.config.epoch_timeout_s)
+            stay_paused=stay_paused, instance_id=staged_as[m], keep_cache=keep_cache)
+            for m in members]
+        # Engines of one shim process sharing a rank flip in one FlipEngines call.
+        bundles = rank_bundles(members) if self.epochs.config.stream_per_process else []
+        answers = self.calls.flips(links(members), requests, bundles,
+                                   self.epochs.config.epoch_timeout_s)
         flipped: dict[Member, pb.FlipResponse] = {}
         failed: dict[Member, WorkerFailure] = {}
         for m, answer in zip(members, answers):

@@ -70,9 +70,11 @@ ADMISSIONS: Mapping[str, Admission] = {
     "InitCollective": Admission(_LIVE | {pb.SHIM_STATE_BROKEN}, ANY_BUSY, holds=Busy.JOIN),
     "UpdateWeights": Admission(frozenset({pb.SHIM_STATE_READY, pb.SHIM_STATE_BROKEN}), ANY_BUSY,
                                holds=Busy.EPOCH, checks_instance=True, checks_version=True),
-    # A carrier: the engine serving the stream admits it in any state, beside anything; each
-    # engine it names is admitted as that engine's own UpdateWeights. Refused while draining.
+    # Carriers: the engine serving the call admits it in any state, beside anything; each
+    # engine it names is admitted as that engine's own UpdateWeights (Flip). Refused while
+    # draining.
     "UpdateEngines": Admission(ANY_STATE, frozenset()),
+    "FlipEngines": Admission(ANY_STATE, frozenset()),
     # Any state: what it needs is a staged version (the handler's NOT_STAGED), which STAGED has
     # and so has a BROKEN engine whose staged epoch (opened while BROKEN) committed.
     "Flip": Admission(ANY_STATE, ANY_BUSY, holds=Busy.FLIP, checks_instance=True),

@@ -1,4 +1,4 @@
-"""UpdateEngines: one epoch on several engines of this shim process over one stream.
+"""UpdateEngines and FlipEngines: one call for several engines of this shim process.
 
 A process that serves several engines (`refit-grpc shim --engines K`) receives the trainer's
 broadcast once, on the rank they share (`refit_grpc.shared_rank`); this is the same for their
@@ -12,19 +12,21 @@ own (`EngineCallContext`) whose end is the shared stream's. What the handlers yi
 the stream sends whatever every engine said since its last message, in one message. An engine's
 end travels in-band: `EngineUpdate.ended`, with the status its UpdateWeights would have ended
 with (the same encoder, `status.status_for`), so the driver decodes both the same way.
+FlipEngines is the same for a staged epoch's flips: each engine's Flip handler at once, one
+answer holding each engine's FlipResponse or status.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
 from google.rpc import status_pb2
 
-from refit_grpc.errors import InternalError, InvalidArgumentError, RefitError
+from refit_grpc.errors import InternalError, InvalidArgumentError, RefitError, RefitTimeoutError
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.status import status_for
@@ -39,6 +41,8 @@ class EngineServicer(Protocol):
     """An engine's servicer, as an UpdateEngines stream runs it (`RefitServicer`)."""
 
     def UpdateWeights(self, request: Any, context: Any) -> Iterator[Any]: ...  # noqa: N802
+
+    def Flip(self, request: Any, context: Any) -> Any: ...  # noqa: N802
 
 
 class _EngineEnded(Exception):
@@ -118,19 +122,19 @@ def _serialized(status: grpc.Status) -> bytes:
     return details.encode() if isinstance(details, str) else bytes(details)
 
 
-def engines_asked(request: pb.UpdateEnginesRequest,
+def engines_asked(rpc: str, requests: Sequence[Any],
                   engines: Mapping[str, EngineServicer]) -> list[tuple[EngineServicer, Any]]:
-    """Each request with the engine it names, checked before any epoch starts.
+    """Each of an `rpc` call's requests (UpdateEngines, FlipEngines) with the engine it names,
+    checked before any engine's call starts.
 
     Raises:
         InvalidArgumentError: no request, a request without an instance_id, one naming an engine
             this process does not serve, or an engine named twice (INVALID_INSTANCE_ID).
     """
-    if not request.engines:
-        raise InvalidArgumentError("UpdateEngines names no engine",
-                                   reason=Reason.INVALID_INSTANCE_ID)
+    if not requests:
+        raise InvalidArgumentError(f"{rpc} names no engine", reason=Reason.INVALID_INSTANCE_ID)
     out, seen = [], set()
-    for k, one in enumerate(request.engines):
+    for k, one in enumerate(requests):
         name = one.instance_id
         if not name:
             raise InvalidArgumentError(f"engines[{k}]: instance_id is required",
@@ -154,13 +158,7 @@ def run_engines(asked: list[tuple[EngineServicer, Any]], stream: grpc.ServicerCo
     every engine's epoch ended (module docstring)."""
     said: queue.SimpleQueue[tuple[int, pb.UpdateWeightsResponse | None, bytes]] = \
         queue.SimpleQueue()
-    contexts = [EngineCallContext(stream) for _ in asked]
-
-    def stream_ended() -> None:
-        for context in contexts:
-            context.stream_ended()
-
-    stream.add_callback(stream_ended)
+    contexts = _contexts(stream, len(asked))
 
     def run(k: int, servicer: EngineServicer, one: Any) -> None:
         try:
@@ -198,4 +196,47 @@ def run_engines(asked: list[tuple[EngineServicer, Any]], stream: grpc.ServicerCo
         yield pb.UpdateEnginesResponse(updates=updates)
 
 
-__all__ = ["EngineCallContext", "engines_asked", "run_engines"]
+def flip_engines(asked: list[tuple[EngineServicer, Any]], call: grpc.ServicerContext
+                 ) -> pb.FlipEnginesResponse:
+    """Every asked engine's Flip at once, each on a thread of its own; the answer holds each
+    one's FlipResponse or the status its Flip ended with, in the request's order. Each Flip is
+    bounded by its own deadline (the call's, capped by the shim's epoch limit); an engine still
+    flipping past the call's deadline is reported DEADLINE_EXCEEDED, not waited for."""
+    contexts = _contexts(call, len(asked))
+    outcomes: list[pb.EngineFlip | None] = [None] * len(asked)
+
+    def run(k: int, servicer: EngineServicer, one: Any) -> None:
+        try:
+            outcomes[k] = pb.EngineFlip(instance_id=one.instance_id,
+                                        flip=servicer.Flip(one, contexts[k]))
+        except BaseException as e:  # noqa: BLE001  (every end is reported in the answer)
+            outcomes[k] = pb.EngineFlip(instance_id=one.instance_id, status=_ended_with(e))
+
+    threads = [threading.Thread(target=run, args=(k, servicer, one), daemon=True,
+                                name=f"flip-engines-{k}")
+               for k, (servicer, one) in enumerate(asked)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        left = call.time_remaining()
+        t.join(None if left is None else max(left, 0.0))
+    return pb.FlipEnginesResponse(engines=[
+        o if o is not None else pb.EngineFlip(instance_id=one.instance_id, status=_ended_with(
+            RefitTimeoutError("the flip outlived the call's deadline",
+                              reason=Reason.DEADLINE_EXCEEDED)))
+        for o, (_, one) in zip(outcomes, asked)])
+
+
+def _contexts(call: grpc.ServicerContext, count: int) -> list[EngineCallContext]:
+    """One call context per engine, each ended (its callbacks run) when `call` ends."""
+    contexts = [EngineCallContext(call) for _ in range(count)]
+
+    def call_ended() -> None:
+        for context in contexts:
+            context.stream_ended()
+
+    call.add_callback(call_ended)
+    return contexts
+
+
+__all__ = ["EngineCallContext", "engines_asked", "flip_engines", "run_engines"]

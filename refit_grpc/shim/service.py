@@ -6,8 +6,8 @@ calls and each result back into proto, and nothing more:
     fields     what each request field may hold, proto to plan; `groups`: the groups a request
                asks the engine to join
     epoch      UpdateWeights: the epoch asked for, its checks, its run (`receive`: the thread)
-    bundle     UpdateEngines: several engines' UpdateWeights over one stream (engines of this
-               process sharing its rank)
+    bundle     UpdateEngines, FlipEngines: several engines' UpdateWeights (one stream) or Flip
+               (one call), for engines of this process sharing its rank
     flip       a staged version's load (Flip, and CatchUp once the peer's copy landed)
     catch_up   both ends of a peer's rendezvous; `canary`: checking and scoring a canary
     status     a `RefitError` as a gRPC status
@@ -215,8 +215,16 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         with status_on_error(context):
             with self._core.lock:
                 self._core.admit_locked("UpdateEngines")
-            asked = bundle.engines_asked(request, self.rank_peers)
+            asked = bundle.engines_asked("UpdateEngines", request.engines, self.rank_peers)
         yield from bundle.run_engines(asked, context)
+
+    def FlipEngines(self, request, context):
+        # As UpdateEngines: every engine named is checked before any flips.
+        with status_on_error(context):
+            with self._core.lock:
+                self._core.admit_locked("FlipEngines")
+            asked = bundle.engines_asked("FlipEngines", request.engines, self.rank_peers)
+            return bundle.flip_engines(asked, context)
 
     def Flip(self, request, context):
         """Switch a STAGED engine to its staged version: pause, load the staged copy, (canary,)

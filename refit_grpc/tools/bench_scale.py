@@ -13,6 +13,9 @@ Two series, each at the widths given:
 - **sim/engine**: the same simulated fleet, each width measured right after the simulated
   row, with the driver opening a stream per engine (`FleetConfig.stream_per_process=False`):
   what the stream per process saves, side by side in one run.
+- **staged** and **staged/eng**: the same simulated fleet running staged epochs (each stage,
+  then the flip), with one UpdateEngines stream and one FlipEngines call per process, then with
+  a stream and a Flip per engine.
 
 The plan is tiny
 (`buckets` buckets of 16 KiB), so what an epoch costs beyond its broadcast is control: the
@@ -57,7 +60,7 @@ class ScaleRow:
     """One width's medians (module docstring)."""
 
     engines: int
-    series: str  # "processes", "simulated" or "sim/engine"
+    series: str  # "processes", "simulated", "sim/engine", "staged" or "staged/eng"
     form_s: float
     epoch_s: float
     broadcast_s: float
@@ -107,13 +110,15 @@ def _weights(version: int, buckets: int) -> dict[str, torch.Tensor]:
 
 def measure_width(shims: list, epochs: int, buckets: int, first_version: int,
                   series: str = "processes", *, stream_per_process: bool = True,
-                  floor_ms: float | None = None) -> ScaleRow:
+                  floor_ms: float | None = None, staged: bool = False) -> ScaleRow:
     """One width: a new Fleet of `shims`, formed, `epochs` in-place epochs from version
     `first_version` on, one more to warm up first (module docstring). `floor_ms`: the floor
-    measured already on these shims (else measured here)."""
-    from refit_grpc.driver import Fleet, WorkerEndpoint
+    measured already on these shims (else measured here). `staged`: staged epochs (each
+    staged, then flipped) instead."""
+    from refit_grpc.driver import Fleet, InPlace, Staged, WorkerEndpoint
 
     endpoints = [WorkerEndpoint(s.instance_id, s.address) for s in shims]
+    epoch = Staged() if staged else InPlace()
     peak_threads = [0]
 
     sampled = [0.0]
@@ -136,13 +141,14 @@ def measure_width(shims: list, epochs: int, buckets: int, first_version: int,
         fleet.prepare({k: (tuple(v.shape), v.dtype) for k, v in first.items()})
         link = fleet.connect("127.0.0.1")
         form_s = time.perf_counter() - t0
-        fleet.refit(link, first, version=first_version)  # warm: channels, buffers, first-epoch costs
+        # Warm: channels, buffers, first-epoch costs (a staged one: its copies' first touches).
+        fleet.refit(link, first, version=first_version, epoch=epoch)
         walls, sends, cpus, copies = [], [], [], []
         for v in range(first_version + 1, first_version + 1 + epochs):
             w = _weights(v, buckets)
             plan_bytes = sum(t.numel() * t.element_size() for t in w.values())
             c0, b0, t0 = _cpu_s(), _written(), time.perf_counter()
-            report = fleet.refit(link, w, version=v, on_progress=on_progress)
+            report = fleet.refit(link, w, version=v, on_progress=on_progress, epoch=epoch)
             walls.append(time.perf_counter() - t0)
             cpus.append(_cpu_s() - c0)
             copies.append((_written() - b0) / plan_bytes)
@@ -234,7 +240,9 @@ def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
             say(f"simulated: shim processes of up to {engines_per_process} engines each, every "
                 "engine its own gRPC server, one shared receiving gloo rank and one "
                 "UpdateEngines stream per process (a SIMULATION of a fleet on one host); "
-                "sim/engine: the same fleet, the driver opening a stream per engine")
+                "sim/engine: the same fleet, the driver opening a stream per engine; staged, "
+                "staged/eng: staged epochs, a stream and a flip call per process, then per "
+                "engine")
             shims = []
             for width in sorted(simulated):
                 while len(shims) < width:
@@ -252,12 +260,19 @@ def run_bench_scale(widths: tuple[int, ...] = (8, 16, 32, 64), epochs: int = 6,
                                           floor_ms=rows[-1].floor_per_engine_ms))
                 version += epochs + 1
                 _print_row(say, rows[-1], header=False)
+                floor = rows[-1].floor_per_engine_ms
+                for series, per_process in (("staged", True), ("staged/eng", False)):
+                    rows.append(measure_width(shims[:width], epochs, buckets, version,
+                                              series=series, stream_per_process=per_process,
+                                              floor_ms=floor, staged=True))
+                    version += epochs + 1
+                    _print_row(say, rows[-1], header=False)
             say(_operator_calls(shims))
             if faults:
                 victims = [server.start(*args, "--instance-id", f"victim-{i}")
                            for i in range(3 * faults)]
                 faults_at_width(shims, victims, faults, buckets, version, say)
-    for series in ("processes", "simulated", "sim/engine"):
+    for series in ("processes", "simulated", "sim/engine", "staged", "staged/eng"):
         mine = [r for r in rows if r.series == series]
         if len(mine) >= 2:
             a, b = mine[0], mine[-1]
@@ -411,14 +426,15 @@ def _draw(rows: list[ScaleRow], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for series, mark in (("processes", "o"), ("simulated", "s"), ("sim/engine", "^")):
+    for series, mark in (("processes", "o"), ("simulated", "s"), ("sim/engine", "^"),
+                         ("staged", "D"), ("staged/eng", "v")):
         mine = [r for r in rows if r.series == series]
         if not mine:
             continue
         n = [r.engines for r in mine]
         left.plot(n, [r.cpu_per_engine_ms for r in mine], mark + "-",
                   label=f"trainer CPU per engine, {series}")
-        if series != "sim/engine":  # the simulated fleet's floor, measured once
+        if series in ("processes", "simulated"):  # the simulated fleet's floor: measured once
             left.plot(n, [r.floor_per_engine_ms for r in mine], mark + "--",
                       label=f"floor: one refused stream per engine, {series}")
         right.plot(n, [r.control_s * 1e3 for r in mine], mark + "-",
