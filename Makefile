@@ -152,8 +152,9 @@ bench-catch-up: proto
 
 # What control costs the trainer as the fleet widens: 8 to 64 real shim processes, a tiny plan, the
 # trainer's CPU per engine, threads, memory and egress per width, figure in build/bench-scale.png
-# (docs/scale.md), and a simulated series to 1,000 engines with faults at that width. About
-# 2-3 minutes on 2 cores.
+# (docs/scale.md), and a simulated series to 1,000 engines (in place and staged, one call per
+# shim process and one per engine, side by side) with faults at that width. About 4 minutes on
+# 2 cores.
 bench-scale: proto
 	$(VENV)/bin/refit-grpc bench-scale $(BENCH_FLAGS)
 
