@@ -1,7 +1,7 @@
 """Engines of one shim process that share a receiving rank run an epoch over one UpdateEngines
 stream and flip in one FlipEngines call (issue 21, docs/scale.md): the trainer makes one call per
 process, not one per engine, and each engine's epoch (flip) is exactly its UpdateWeights (Flip),
-its failures in-band and named.
+its failures in-band and named; the stream's end (a trainer gone) ends every engine's epoch.
 
 Real in-process shims on loopback, as `refit-grpc shim --engines K` builds them (reference engines
 sharing one `SharedRank`, each its own gRPC server and Prometheus endpoint, every engine's servicer
@@ -9,6 +9,8 @@ given the others), a real gloo group; the calls are counted by the shims' own me
 """
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import pytest
@@ -201,3 +203,45 @@ def test_flip_engines_refuses_names_it_does_not_serve_and_answers_each_engines_r
             assert within.reason == Reason.NOT_STAGED and direct.message.startswith(
                 within.message), (within, direct)
     assert [s.servicer.state() for s in servers] == states
+
+
+def test_a_trainer_that_goes_away_mid_stream_ends_every_engines_epoch_at_once(process):
+    """The stream's end is every engine's: its caller cancelled after every engine ACCEPTED (a
+    trainer gone mid-broadcast), each engine's receive ends within seconds (not at its 20 s
+    epoch limit), nothing applied, and the next epoch commits."""
+    engines, servers = process
+    with fleet_of(servers) as fleet:
+        link = connected(fleet, weights(1))
+        fleet.refit(link, weights(1), version=1)
+        d = fleet.describe()[0]
+        requests = [pb.UpdateWeightsRequest(version=2, plan_digest=d.plan_digest,
+                                            group_id=d.group_id, instance_id=f"e{k}",
+                                            pause_mode=pb.PAUSE_MODE_KEEP)
+                    for k in range(ENGINES)]
+        with grpc.insecure_channel(servers[1].address) as channel:
+            call = pb_grpc.RefitServiceStub(channel).UpdateEngines(
+                pb.UpdateEnginesRequest(engines=requests), timeout=30)
+            accepted: set[str] = set()
+            for message in call:
+                accepted |= {u.instance_id for u in message.updates
+                             if u.update.phase == pb.UPDATE_WEIGHTS_PHASE_ACCEPTED}
+                if len(accepted) == ENGINES:
+                    break
+            assert all(s.servicer.state() == pb.SHIM_STATE_RECEIVING for s in servers)
+            t0 = time.monotonic()
+            call.cancel()
+        while time.monotonic() - t0 < 10 and any(
+                s.servicer.state() == pb.SHIM_STATE_RECEIVING for s in servers):
+            time.sleep(0.05)
+        ended_s = time.monotonic() - t0
+        states = [pb.ShimState.Name(s.servicer.state()) for s in servers]
+        assert ended_s < 10 and "SHIM_STATE_RECEIVING" not in states, (ended_s, states)
+        assert versions(servers) == [1] * ENGINES
+        for e in engines:
+            assert torch.equal(e.tensor("w3"), weights(1)["w3"])
+        print(f"\nthe stream cancelled: every engine's receive ended in {ended_s:.2f} s, {states}")
+        link.close()
+        link = fleet.connect("127.0.0.1")
+        fleet.refit(link, weights(3), version=3)
+        assert versions(servers) == [3] * ENGINES
+        link.close()
