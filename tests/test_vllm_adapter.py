@@ -202,14 +202,25 @@ def test_error_mapping_and_what_is_posted(scripted):
     scripted.answers["/reset_prefix_cache"] = [(200, {"success": True})]
     engine.pause(PauseMode.KEEP, Deadline(5))
     assert engine.pause_clears_cache
-    assert [p for p, _ in scripted.requests[-4:]] == [
+    # the reset runs beside the next call to the paused engine; the resume waits for it
+    engine.resume(Deadline(5))
+    assert [p for p, _ in scripted.requests[-5:]] == [
         "/sleep?level=0&mode=keep",
         "/reset_prefix_cache?reset_running_requests=true&reset_external=true",
-        "/reset_mm_cache", "/reset_encoder_cache"]
+        "/reset_mm_cache", "/reset_encoder_cache", "/wake_up?tags=scheduling"]
     engine.pause(PauseMode.KEEP, Deadline(5), keep_cache=True)  # a flip that keeps them
     assert scripted.requests[-1][0] == "/sleep?level=0&mode=keep"
-    # a connector's cache vLLM could not reset fails the pause, as /pause?clear_cache=true did
-    scripted.answers["/reset_prefix_cache"] = [(200, {"success": False})]
+    engine.resume(Deadline(5))
+    assert scripted.requests[-1][0] == "/wake_up?tags=scheduling"
+    # a connector's cache vLLM could not reset fails the pause, as /pause?clear_cache=true did:
+    # at the resume, which then wakes nothing, or at the next pause
+    scripted.answers["/reset_prefix_cache"] = [(200, {"success": False}), (200, {"success": False})]
+    engine.pause(PauseMode.KEEP, Deadline(5))
+    with pytest.raises(RefitError, match="connector") as e:
+        engine.resume(Deadline(5))
+    assert e.value.reason == "ENGINE_REJECTED"
+    assert scripted.requests[-1][0] == "/reset_encoder_cache"
+    engine.pause(PauseMode.KEEP, Deadline(5))
     with pytest.raises(RefitError, match="connector") as e:
         engine.pause(PauseMode.KEEP, Deadline(5))
     assert e.value.reason == "ENGINE_REJECTED"
@@ -359,12 +370,19 @@ STAGED_PLAN = RefitPlan(tuple(TensorSpec(f"model.layers.{i}.w", (8,), torch.floa
                               for i in range(3)), Packing(16, 2))
 
 
+def _infos(flip_in_one_call: bool) -> tuple[int, dict]:
+    """Two workers' `WorkerInfo`: the first question of a stage (no status() asked it yet)."""
+    return _workers(*[{"quantization": "none", "flip_in_one_call": flip_in_one_call}] * 2)
+
+
 def test_a_stage_reports_buckets_as_every_worker_lands_them_and_flips_from_the_copy(scripted):
     """Two workers (TP=2): a bucket is reported once both landed it, the digest once both
-    staged the same; the flip is a weight-update session naming the staged copy, no abort key."""
+    staged the same. Workers that cannot flip in one call (a LoRA engine's, an older
+    worker's): the flip is a weight-update session naming the staged copy, no abort key."""
     engine = VLLMEngine(scripted.url)
     assert engine.capabilities.staging
     scripted.answers["/collective_rpc"] = [
+        _infos(False),
         _workers(_w(1, "receiving", 0), _w(2, "receiving", 0)),
         _workers(_w(1, "receiving", 2), _w(2, "receiving", 1)),
         _workers(_w(1, "staged", 3, "d" * 64), _w(2, "staged", 3, "d" * 64))]
@@ -372,10 +390,12 @@ def test_a_stage_reports_buckets_as_every_worker_lands_them_and_flips_from_the_c
     assert engine.stage(STAGED_PLAN, Deadline(10), buckets.append) == "d" * 64
     assert buckets == list(STAGED_PLAN.buckets)
     assert engine.staging_bytes == 2 * 96
-    start = scripted.requests[0][1]
-    assert start["method"] == "weight_transfer_engine" and start["kwargs"]["op"] == "stage"
+    ops = [b["kwargs"]["op"] for p, b in scripted.requests if p == "/collective_rpc"]
+    assert ops == ["engine_info", "stage", "stage_status", "stage_status"]
+    start = next(b for p, b in scripted.requests
+                 if p == "/collective_rpc" and b["kwargs"]["op"] == "stage")
+    assert start["method"] == "weight_transfer_engine"
     assert json.loads(start["kwargs"]["payload"])["plan_digest"] == STAGED_PLAN.digest
-    assert [b["kwargs"]["op"] for _, b in scripted.requests[1:]] == ["stage_status"] * 2
     assert not engine.partial_on_failure and not engine.is_paused()
 
     scripted.requests.clear()
@@ -389,6 +409,40 @@ def test_a_stage_reports_buckets_as_every_worker_lands_them_and_flips_from_the_c
     with pytest.raises(FailedPreconditionError) as e:  # consumed: nothing staged any more
         engine.flip(6, Deadline(10))
     assert e.value.reason == "NOT_STAGED"
+
+
+def test_workers_that_can_flip_in_one_call_get_one_call_and_the_version_beside_it(scripted):
+    """The flip is one POST /collective_rpc "flip" (the workers' whole session) with the
+    version set beside it (POST /update_weight_version); one that fails with nothing applied
+    leaves the weights intact and sets vLLM's version label back to what it was."""
+    engine = VLLMEngine(scripted.url)
+    scripted.answers["/weight_info"] = [(200, {"weight_version": "4"})]
+    staged = _workers(_w(1, "staged", 3, "d" * 64), _w(2, "staged", 3, "d" * 64))
+    scripted.answers["/collective_rpc"] = [_infos(True), staged]
+    assert engine.stage(STAGED_PLAN, Deadline(10), lambda b: None) == "d" * 64
+    scripted.requests.clear()
+    engine.flip(5, Deadline(10))
+    assert sorted(scripted.paths()) == ["/collective_rpc", "/update_weight_version"]
+    (flip,) = [b for p, b in scripted.requests if p == "/collective_rpc"]
+    assert flip["kwargs"]["op"] == "flip"
+    update = json.loads(flip["kwargs"]["payload"])
+    assert (update["source"], update["staged_digest"], update["version"]) == \
+        ("staged", "d" * 64, 5)
+    assert "abort_key" not in update
+    assert ("/update_weight_version", {"new_version": "5"}) in scripted.requests
+    assert not engine.partial_on_failure
+
+    scripted.answers["/collective_rpc"] = [staged, (500, {"error": {"message": (
+        f"{applied_marker(0, 3)} load of the staged copy failed (RuntimeError: nothing is "
+        "staged); rolled back (0 partly loaded layers restored, weights unchanged)")}})]
+    assert engine.stage(STAGED_PLAN, Deadline(10), lambda b: None) == "d" * 64
+    scripted.requests.clear()
+    with pytest.raises(RefitError, match="nothing is staged"):
+        engine.flip(6, Deadline(10))
+    assert not engine.partial_on_failure  # rolled back with nothing loaded
+    # the label went to 6 beside the load, and back to 5 once it failed
+    labels = [b["new_version"] for p, b in scripted.requests if p == "/update_weight_version"]
+    assert labels == ["6", "5"], labels
 
 
 @pytest.mark.parametrize("answers, error, reason", [

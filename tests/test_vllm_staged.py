@@ -15,6 +15,8 @@ trainer's staged digest:
     version's log-probabilities until the flip;
 (b) after each flip, over the versions of (a) and (b), vLLM's teacher-forced `prompt_logprobs`
     equal transformers' on the new weights, and vLLM's weight version is the flipped one;
+(b') the flip is one call to the workers, the version set beside it; one whose load fails in
+    the workers leaves the old weights and version serving;
 (c) a staged receive dropped or aborted midway ends promptly, nothing is staged, the engine was
     never paused and still serves the old version, and the next staged epoch goes through;
 (d) the same engine behind a real shim process: a staged UpdateWeights ends at STAGED, the
@@ -412,6 +414,75 @@ def test_every_flip_serves_the_trainers_log_probabilities(server, engine, traine
         # embedding went through the loader, and the log-probabilities above prove both.
         assert installed == [PREPARED_LAYERS], installed
         assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(version)}
+
+
+def weight_operations(url: str, operation: str) -> int:
+    """How many weight-update operations of one kind (start, update, finish) vLLM's routes
+    recorded (its Prometheus histogram `vllm:rl_weight_update_operation_duration_seconds`)."""
+    conn = http.client.HTTPConnection(urllib.parse.urlsplit(url).netloc, timeout=STEP_S)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    m = re.search(r'^vllm:rl_weight_update_operation_duration_seconds_count\{operation="'
+                  + operation + r'"\} (\S+)$', text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
+def stage_version(engine: VLLMEngine, tensors: dict) -> str:
+    """One staged epoch of `tensors`, unpaced; the staged digest."""
+    plan = plan_of(tensors)
+    group = form_group(engine, plan)
+    try:
+        staging = Staging(engine, plan, Deadline(EPOCH_S))
+        sent = send(group, plan, tensors)
+        staging.join(EPOCH_S)
+    finally:
+        group.close()
+    assert staging.error is None and staging.digest == sent, staging.error
+    return sent
+
+
+def test_the_flip_is_one_call_to_the_workers_and_a_failed_one_leaves_the_old_version(
+        server, engine, trainer):
+    """(b') The flip is one call to the workers (`STAGE_OP_FLIP`, the whole weight-update
+    session), its weight version set beside the load: vLLM's own session routes record no
+    operation for it. A flip whose load fails in the workers (their staged copy dropped behind
+    the shim's back) fails typed with nothing applied: the weights are untouched (the same
+    log-probabilities, bit for bit), vLLM's weight version is set back, and the next staged
+    epoch flips."""
+    assert trainer["version"] >= 1, "runs after (a)"
+    served = trainer["version"]
+    before = engine_logprobs(server.url)
+    sessions = [weight_operations(server.url, op) for op in ("start", "update", "finish")]
+    kept = copy.deepcopy(trainer["model"])
+    version, tensors = next_version(trainer)
+    stage_version(engine, tensors)
+    status, body = http_json("POST", server.url, "/collective_rpc", {
+        "method": "weight_transfer_engine", "kwargs": {"op": "drop_staged", "payload": "{}"}})
+    assert status == 200, body
+    engine.pause(PauseMode.KEEP, Deadline(STEP_S))
+    try:
+        with pytest.raises(RefitError) as failed:
+            engine.flip(version, Deadline(STEP_S))
+        assert "refit_grpc[applied=0/" in failed.value.message, failed.value.message
+        assert "nothing is staged" in failed.value.message, failed.value.message
+        assert not engine.partial_on_failure  # rolled back with nothing loaded
+        assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(served)}
+    finally:
+        engine.resume(Deadline(STEP_S))
+    assert (engine_logprobs(server.url) - before).abs().max().item() == 0.0
+    trainer["model"] = kept  # the version the engine never took is the trainer's no more
+
+    version, tensors = next_version(trainer)
+    stage_version(engine, tensors)
+    flip(engine, version)
+    trainer["version"] = version
+    assert_serves(server.url, trainer["model"], f"v{version} after a failed flip")
+    assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(version)}
+    assert [weight_operations(server.url, op) for op in ("start", "update", "finish")] == \
+        sessions, "a flip went through vLLM's session routes"
 
 
 @pytest.mark.parametrize("how", ["drop", "abort"])

@@ -16,8 +16,9 @@ module maps vLLM's four phases onto it:
     __call__(op, payload)       a staged epoch's stage / stage_status / drop_staged, and a
                                 catch-up's serve_copy / cancel_serve, through vLLM's POST
                                 /collective_rpc (the receive and the serve run on threads of
-                                their own, beside the engine loop: `staged.py`); a flip is an
-                                update_weights whose update_info says source="staged" (the
+                                their own, beside the engine loop: `staged.py`); a flip is
+                                `flip` (the whole session in one call) or, on a LoRA engine,
+                                an update_weights whose update_info says source="staged" (the
                                 copy it loads stays as the engine's committed copy)
 
 The error of a failed update starts with `refit_grpc[applied=A/B]`: A buckets of B reached the
@@ -28,6 +29,8 @@ model. With A == 0 the rollback restored every layer, so the weights are the old
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +56,8 @@ from refit_grpc.vllm_plugin.layerwise import (  # noqa: F401  (TiedRoutes: re-ex
 from refit_grpc.wire import vllm as wire_vllm
 from refit_grpc.wire.vllm import GlooInitInfo, GlooUpdateInfo
 from refit_grpc.wire.worker import NO_QUANTIZATION, ServeInfo, StageStatus, WorkerInfo
+
+log = logging.getLogger("vllm.refit_grpc")  # under "vllm" so vLLM's log handlers print it
 
 
 @dataclass(kw_only=True)
@@ -126,16 +131,18 @@ class RefitGlooWeightTransferEngine(
 
         vLLM's dev-mode POST /collective_rpc runs `getattr(worker, method)(**kwargs)` on every
         worker; naming this engine's attribute (`refit_grpc.wire.vllm.STAGE_RPC_METHOD`) calls
-        it here, with string arguments only, as that route asks. Every operation returns at
-        once: the staged receive itself runs on its own thread (`staged.StagedReceive`), so
-        the worker's engine loop keeps serving while the bytes arrive.
+        it here, with string arguments only, as that route asks. Every operation but `flip`
+        returns at once: the staged receive itself runs on its own thread
+        (`staged.StagedReceive`), so the worker's engine loop keeps serving while the bytes
+        arrive; `flip` loads the copy, which the paused engine waits for.
 
         Args:
             op: `stage` (payload: the update_info of the plan), `stage_status`,
                 `drop_staged`, `serve_copy` (payload: a `ServeInfo`; the engine's rank-0
                 worker serves a catch-up from its committed copy), `cancel_serve`,
-                `restore_previous`, `engine_info` (what the worker says of its engine), or
-                `configure` (payload {"prepare_flip": bool}).
+                `restore_previous`, `engine_info` (what the worker says of its engine),
+                `configure` (payload {"prepare_flip": bool}) or `flip` (payload: the flip's
+                update_info; the whole weight-update session, on this call's thread).
             payload: JSON.
 
         Returns:
@@ -154,15 +161,61 @@ class RefitGlooWeightTransferEngine(
             wire_vllm.STAGE_OP_RESTORE: staged.restore_previous,
             wire_vllm.STAGE_OP_INFO: lambda: WorkerInfo(
                 quantization=self.model_config.quantization or NO_QUANTIZATION,
-                multimodal=bool(self.model_config.is_multimodal_model)),
+                multimodal=bool(self.model_config.is_multimodal_model),
+                flip_in_one_call=not self._serves_lora),
             wire_vllm.STAGE_OP_CHECK_ADAPTER: lambda: self._check_adapter(payload),
             wire_vllm.STAGE_OP_COMMIT_ADAPTER: lambda: self._commit_adapter(payload),
             wire_vllm.STAGE_OP_CONFIGURE: lambda: self._configure(payload),
+            wire_vllm.STAGE_OP_FLIP: lambda: self._flip(payload),
         }
         operation = operations.get(op)
         if operation is None:
             raise ValueError(f"refit_grpc gloo: unknown operation {op!r}")
         return operation().to_wire()
+
+    @property
+    def _serves_lora(self) -> bool:
+        return getattr(self.vllm_config, "lora_config", None) is not None
+
+    def _flip(self, payload: str) -> StageStatus:
+        """A staged epoch's flip in one call (`wire.vllm.STAGE_OP_FLIP`): the session vLLM's
+        worker runs for /start_weight_update, /update_weights (source "staged") and
+        /finish_weight_update, in one turn of the engine loop. Its failure is the session's:
+        rolled back and raised with the applied marker (`LayerwiseReceiver.update`); a finalize
+        that fails after every bucket loaded says so.
+
+        Not on a LoRA engine: vLLM's worker removes every adapter after a session of its own
+        (`reset_lora_state`), which this engine cannot reach; its shim flips through the
+        routes (`WorkerInfo.flip_in_one_call`)."""
+        from vllm.config import set_current_vllm_config
+
+        from refit_grpc.wire.worker import applied_marker
+
+        if self._serves_lora:
+            raise RuntimeError("refit_grpc gloo: a LoRA engine flips through vLLM's "
+                               "weight-update routes, not in one call")
+        info = self.parse_update_info(json.loads(payload or "{}"))
+        if info.source != wire_vllm.SOURCE_STAGED:
+            raise ValueError("refit_grpc gloo: a flip loads the staged copy "
+                             f"(source {wire_vllm.SOURCE_STAGED!r}), got source {info.source!r}")
+        receiver = self.receiver
+        marks = [time.monotonic()]
+        with set_current_vllm_config(self.vllm_config):
+            self.start_weight_update()
+            marks.append(time.monotonic())
+            receiver.update(info)  # rolls back and raises with the applied marker on failure
+            marks.append(time.monotonic())
+            try:
+                receiver.finish()
+            except Exception as e:
+                raise RuntimeError(f"{applied_marker(receiver.total, receiver.total)} the "
+                                   f"reload failed to finalize ({type(e).__name__}: {e})") from e
+        marks.append(time.monotonic())
+        # What the flip's stall holds inside the worker (docs/vllm.md, What the flip costs).
+        log.info("refit_grpc gloo: flip of version %s in one call: session opened in %.1f ms, "
+                 "copy loaded in %.1f ms, session finished in %.1f ms", info.version,
+                 *((b - a) * 1e3 for a, b in zip(marks, marks[1:])))
+        return receiver.staged.status()
 
     def _configure(self, payload: str) -> StageStatus:
         """Whether later stages prepare their flip's linear layers (`prepared.py`)."""

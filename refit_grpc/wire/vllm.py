@@ -62,9 +62,14 @@ STAGE_OP_COMMIT_ADAPTER = "commit_adapter"
 # complete (`vllm_plugin.prepared`; payload {"prepare_flip": bool}; returns the status). Its
 # default is the worker's environment (`PREPARE_FLIP_ENV`); a bench compares both flips.
 STAGE_OP_CONFIGURE = "configure"
+# A staged epoch's flip in one call to the workers (payload: `flip_info_for`'s update_info;
+# returns the status): what /start_weight_update, /update_weights with `source: "staged"` and
+# /finish_weight_update do, one engine-loop turn instead of three round trips to the paused
+# engine (docs/vllm.md, What the flip costs). Only where the workers say `flip_in_one_call`.
+STAGE_OP_FLIP = "flip"
 STAGE_OPS = (STAGE_OP_START, STAGE_OP_STATUS, STAGE_OP_DROP, STAGE_OP_SERVE,
              STAGE_OP_CANCEL_SERVE, STAGE_OP_RESTORE, STAGE_OP_INFO, STAGE_OP_CHECK_ADAPTER,
-             STAGE_OP_COMMIT_ADAPTER, STAGE_OP_CONFIGURE)
+             STAGE_OP_COMMIT_ADAPTER, STAGE_OP_CONFIGURE, STAGE_OP_FLIP)
 # "0" in a vLLM server's environment: its workers load every layer at the flip (no prepared
 # layers: one processed copy of the linear layers less between a stage and its flip).
 PREPARE_FLIP_ENV = "REFIT_GRPC_PREPARE_FLIP"
@@ -101,8 +106,9 @@ def stage_rpc_body(op: str, update_info: dict[str, Any] | None = None,
 
     Args:
         op: one of `STAGE_OPS`.
-        update_info: `update_info_for(plan, "gloo", ...)` for `STAGE_OP_START`, a
-            `ServeInfo.to_wire()` for `STAGE_OP_SERVE`, else None.
+        update_info: `update_info_for(plan, "gloo", ...)` for `STAGE_OP_START`,
+            `flip_info_for(...)` for `STAGE_OP_FLIP`, a `ServeInfo.to_wire()` for
+            `STAGE_OP_SERVE`, else None.
         timeout_s: how long vLLM waits for the workers' answers.
 
     Returns:

@@ -116,11 +116,16 @@ class WorkerInfo:
             (`vllm_plugin.adapters.AdapterStore.versions`); unlike the rest it changes, and a
             shim reads it once, when it starts (a Dynamo shim restarted beside a worker that
             serves adapters). Absent in an older worker's answer: none.
+        flip_in_one_call: whether the worker does a staged flip's whole weight-update session
+            in one call (vLLM: `wire.vllm.STAGE_OP_FLIP`); False where it cannot (a LoRA
+            engine, whose worker must reset its adapters after the session) and in an older
+            worker's answer: the shim then flips through the three session routes.
     """
 
     quantization: str = NO_QUANTIZATION
     multimodal: bool = False
     adapters: dict[str, int] = dataclasses.field(default_factory=dict)
+    flip_in_one_call: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -547,8 +547,7 @@ class HttpEngine(Engine):
                 self._adapters[plan.adapter.name] = version
             return ""
         try:
-            self._update(plan, deadline, staged_digest=digest, version=version)
-            result = self.finish(version, deadline)
+            result = self._load_staged(plan, digest, version, deadline)
         except BaseException:
             with self._lock:  # partly loaded: no copy is trusted
                 self._previous = self._set_aside = self._restoring = None
@@ -561,6 +560,14 @@ class HttpEngine(Engine):
             self._previous = kept[0] if kept is not None and self._restoring is None else None
             self._set_aside = self._restoring = None
         return result
+
+    def _load_staged(self, plan: RefitPlan, digest: str, version: int,
+                     deadline: Deadline) -> str:
+        """A flip's load and commit: by default the receive's own session from the staged
+        copy (`_update`), then `finish`. An engine whose workers do the session in one call
+        overrides it (vLLM's `flip`)."""
+        self._update(plan, deadline, staged_digest=digest, version=version)
+        return self.finish(version, deadline)
 
     @property
     def adapters(self) -> dict[str, int]:

@@ -10,8 +10,10 @@ only translates the shim's engine calls into HTTP calls (standard library only):
                     GET /health; GET /get_world_size once
     pause(mode)     POST /sleep?level=0&mode=keep|wait|abort (vLLM's scheduler pause; its
                     /pause route ends in a fixed 20 ms sleep, inside every stall), then, unless
-                    the caches are kept, reset_cache (what /pause?clear_cache=true does)
-    resume          POST /wake_up?tags=scheduling (level 0's resume; vLLM's sleep gauge agrees)
+                    the caches are kept, reset_cache (what /pause?clear_cache=true does),
+                    beside the next call to the paused engine
+    resume          the calls started beside, then POST /wake_up?tags=scheduling (level 0's
+                    resume; vLLM's sleep gauge agrees)
     reset_cache     POST /reset_prefix_cache?reset_running_requests=true&reset_external=true
                     (the parked requests' blocks included: they recompute after the resume);
                     for a multimodal model also /reset_mm_cache and /reset_encoder_cache
@@ -27,9 +29,12 @@ only translates the shim's engine calls into HTTP calls (standard library only):
                     thread beside its engine loop and answers at once; then the same route
                     with "stage_status" every 0.1 s until every bucket landed everywhere (the
                     engine serves the old version meanwhile, never paused)
-    flip(v)         /start_weight_update, /update_weights {"update_info": {..., "source":
-                    "staged", "staged_digest"}} (the workers load their copies through the
-                    receive's own loader), /finish_weight_update {"weight_version": "v"}
+    flip(v)         POST /collective_rpc "flip" {update_info with "source": "staged",
+                    "staged_digest"}: each worker's whole weight-update session in one call
+                    (its copy through the receive's own loader), with POST
+                    /update_weight_version {"new_version": "v"} beside it; on a LoRA engine
+                    /start_weight_update, /update_weights (the same update_info),
+                    /finish_weight_update {"weight_version": "v"}
     drop_staged     POST /collective_rpc "drop_staged", on a background thread
     committed copy  the copy a flip loaded stays on every worker (`HttpEngine`): a delta epoch
                     is a "stage" with `delta`, applied onto it by the workers, and
@@ -63,6 +68,8 @@ import hashlib
 import logging
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
@@ -83,6 +90,7 @@ from refit_grpc.shim.engines.http_engine import (
     HttpEngineOptions,
     StagePoll,
     UpdateCall,
+    worker_timeout,
 )
 from refit_grpc.shim.engines.options import EngineKind
 from refit_grpc.wire.vllm import (
@@ -90,6 +98,7 @@ from refit_grpc.wire.vllm import (
     STAGE_OP_CHECK_ADAPTER,
     STAGE_OP_COMMIT_ADAPTER,
     STAGE_OP_DROP,
+    STAGE_OP_FLIP,
     STAGE_OP_INFO,
     STAGE_OP_RESTORE,
     STAGE_OP_SERVE,
@@ -140,6 +149,15 @@ class VLLMEngine(HttpEngine):
         # Whether the adapters vLLM already served when this shim started were read (status():
         # `_read_served_adapters` adds them to `_adapters`).
         self._adapters_read = False
+        # The workers' `WorkerInfo.flip_in_one_call`, asked with the quantization.
+        self._flip_in_one_call = False
+        # The weight version vLLM declares, as this shim last set or read it: what a failed
+        # one-call flip sets back.
+        self._version_label: str | None = None
+        # Calls to the paused engine that run beside the next ones (`_beside`): the pause's
+        # cache reset, a flip's version. Each is joined before the resume (`_settle`).
+        self._overlap = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-beside")
+        self._beside_calls: list[Future[None]] = []
 
     # --- the engine interface --------------------------------------------------------------
 
@@ -241,15 +259,45 @@ class VLLMEngine(HttpEngine):
         # resume, with whatever weights are loaded by then. keep_cache: they keep them and go
         # on without recomputing (vLLM's in-flight weight update). Draining (wait) takes as
         # long as the requests in flight: bounded by the deadline only.
+        #
+        # The reset runs beside whatever the shim asks of the paused engine next (a flip's
+        # load, a receive): nothing is scheduled before the resume, which waits for it
+        # (`_settle`), so its order against those calls does not matter, and the stall pays
+        # one round trip less.
+        self._settle(deadline)  # an earlier pause's reset that failed fails this pause
         self._http.call("POST", "/sleep", deadline, what=f"pause({mode.value})",
                         query={"level": "0", "mode": mode.value},
                         cap_s=math.inf if mode is PauseMode.WAIT else None)
-        if not keep_cache and not self.reset_cache(deadline):
+        if not keep_cache:
+            self._beside(lambda: self._reset_in_pause(mode, deadline))
+
+    def _reset_in_pause(self, mode: PauseMode, deadline: Deadline) -> None:
+        if not self.reset_cache(deadline):
             # /pause?clear_cache=true fails the same way (`EngineCore._reset_caches`).
             raise RefitError(f"pause({mode.value}): vLLM at {self.url} could not reset its KV "
                              "connector's cache", reason=Reason.ENGINE_REJECTED)
 
+    def _beside(self, call: Callable[[], None]) -> None:
+        """Start `call` (one short call to the paused engine) beside the next ones."""
+        with self._lock:
+            self._beside_calls.append(self._overlap.submit(call))
+
+    def _settle(self, deadline: Deadline) -> None:
+        """Wait for the calls started beside (each bounded by its own deadline); raise the
+        first one's error."""
+        with self._lock:
+            calls, self._beside_calls = self._beside_calls, []
+        for call in calls:
+            try:
+                call.result(timeout=max(deadline.remaining(), 0.0) + self.request_timeout_s)
+            except FutureTimeout as e:
+                raise EngineUnavailableError(f"vLLM at {self.url}: a call to the paused "
+                                             "engine did not end") from e
+
     def _post_resume(self, deadline: Deadline) -> None:
+        # The pause's cache reset (and a flip's version) first: they must reach the engine
+        # before it schedules again.
+        self._settle(deadline)
         # Level 0's wake-up: resumes the scheduler only when no memory of the engine sleeps
         # (someone else's /sleep?level=1 or 2): then it answers "sleeping" and nothing runs.
         body = self._http.call("POST", "/wake_up", deadline, what="resume",
@@ -331,6 +379,68 @@ class VLLMEngine(HttpEngine):
     def _post_finish(self, version: int, deadline: Deadline) -> None:
         self._http.call("POST", "/finish_weight_update", deadline, what="finish_weight_update",
                         body={"weight_version": str(version)})
+        with self._lock:
+            self._version_label = str(version)
+
+    def _load_staged(self, plan: RefitPlan, digest: str, version: int,
+                     deadline: Deadline) -> str:
+        """A flip in one call to the workers (`STAGE_OP_FLIP`: the session of
+        /start_weight_update, /update_weights and /finish_weight_update), with the engine's
+        weight version set beside it (POST /update_weight_version: the engine is paused, so no
+        token is generated under either label meanwhile; a failed load sets the label back,
+        and the shim keeps the engine paused until a full update). The pause's cache reset is
+        joined before it returns, so a reset's failure is the flip's. Where the workers cannot
+        (`WorkerInfo.flip_in_one_call`: a LoRA engine, an older worker), the three routes."""
+        if not self._flip_in_one_call:
+            result = super()._load_staged(plan, digest, version, deadline)
+            self._settle(deadline)
+            return result
+        what = "flip"
+        gen = self._http.generation
+        label = self._version_label
+        with self._weight_call(receiving=True):
+            self._set_touched(True)  # the workers' session may move layers from here
+            self._check_live(deadline, gen, what)
+            info = flip_info_for(plan, worker_timeout(deadline.check(what)), digest, version)
+            self._beside(lambda: self._set_version_label(str(version), deadline))
+            try:
+                self._watched_receive(
+                    lambda _: self._http.call(
+                        "POST", "/collective_rpc", deadline, kind=CallKind.RECEIVE, what=what,
+                        body=stage_rpc_body(STAGE_OP_FLIP, info),
+                        cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen),
+                    what, deadline, gen, None, None)
+            except BaseException:
+                self._settle_quietly(deadline)
+                if label is not None:
+                    self._set_version_label_quietly(label)
+                raise
+        self._settle(deadline)
+        with self._lock:
+            self._touched = False  # the new version is whole
+        return ""
+
+    def _set_version_label(self, label: str, deadline: Deadline) -> None:
+        self._http.call("POST", "/update_weight_version", deadline, what="update_weight_version",
+                        body={"new_version": label})
+        with self._lock:
+            self._version_label = label
+
+    def close(self) -> None:
+        super().close()
+        self._overlap.shutdown(wait=False, cancel_futures=True)
+
+    def _set_version_label_quietly(self, label: str) -> None:
+        try:
+            self._set_version_label(label, Deadline(self.request_timeout_s))
+        except RefitError as e:
+            log.warning("the weight version could not be set back to %s: %s", label, e)
+
+    def _settle_quietly(self, deadline: Deadline) -> None:
+        try:
+            self._settle(deadline)
+        except RefitError as e:
+            log.warning("after a failed flip: %s", e)
 
     def _post_teardown(self, deadline: Deadline, *, before_join: bool = False) -> None:
         self._shutdown_transfer(deadline, end_stale_update=before_join)
@@ -430,7 +540,11 @@ class VLLMEngine(HttpEngine):
     def _start_stage(self, plan: RefitPlan, deadline: Deadline, timeout_s: float,
                      delta: bool, keep_previous: bool) -> tuple[list[StageStatus], StagePoll]:
         """POST /collective_rpc "stage": every worker starts its receive into its staged copy
-        and answers at once; the poll is the same route with "stage_status"."""
+        and answers at once; the poll is the same route with "stage_status". What the
+        workers say of their engine (`WorkerInfo`: whether they flip in one call) is asked
+        here if no status() asked it yet: while the engine serves, not in the flip's stall."""
+        if self._quantization is None:
+            self._refresh_worker_info()
         update = update_info_for(plan, "gloo", timeout_s)
         if delta:
             update["delta"] = True  # applied onto each worker's committed copy
@@ -599,6 +713,14 @@ class VLLMEngine(HttpEngine):
         names = {info.quantization for info in infos}
         self._quantization = names.pop() if len(names) == 1 else ""
         self._multimodal = any(info.multimodal for info in infos)
+        self._flip_in_one_call = all(info.flip_in_one_call for info in infos)
+        try:
+            label = self.weight_version(Deadline(self.status_timeout_s))
+        except RefitError:
+            label = None
+        with self._lock:
+            if self._version_label is None and label is not None:
+                self._version_label = str(label)
 
     def _refresh_world_size(self) -> None:
         try:
