@@ -120,14 +120,20 @@ def test_the_report_gives_medians_without_warm_ups_and_the_ratios_to_the_goals()
 
 
 def test_the_report_gives_the_keep_cache_gap_against_its_goal():
-    """Steady gap 10 ms; a keep-cache epoch whose stall is 60 ms and whose longest gap is
-    100 ms (the flip): 0.100 / (2 x 0.010 + 0.060) = 1.25x the goal's bound."""
-    requests = [ticks(0.0, 4.0, 0.01) + [4.1] + ticks(4.1, 30.0, 0.01)[1:]]
+    """Steady gap 10 ms; a keep-cache epoch [3.5, 4.2] whose stall is 60 ms (its flip from
+    4.14), a 100 ms gap in its staging window and a 60 ms one across its flip: at the flip
+    0.060 / (2 x 0.010 + 0.060) = 0.75x the goal's bound, over the whole epoch 1.25x."""
+    requests = [ticks(0.0, 3.8, 0.01) + [3.9] + ticks(3.9, 4.12, 0.01)[1:] + [4.18]
+                + ticks(4.18, 30.0, 0.01)[1:]]
     epochs = [Epoch(IN_PLACE, 1, 10.0, 10.5, 0.5), Epoch(STAGED, 2, 14.0, 14.6, 0.06, 0.04),
               Epoch(KEEP_CACHE, 3, 3.5, 4.2, 0.06, 0.04)]
     text = "\n".join(report_lines(analyze(requests, epochs, 0.0, 30.0)))
-    assert "| keep_cache | 1 | 700 | 60 | 40 | 100 |" in text, text
-    assert "keep-cache longest token gap / (2x steady gap + its stall): 1.25x" in text, text
+    # the epoch's longest gap 100 ms, the next token 10 ms after the resume, 81 tokens a second
+    # (0.81x steady), the longest gap at the flip 60 ms
+    assert "| keep_cache | 1 | 700 | 60 | 40 | 100 | 10 | 0.81x | 60 |" in text, text
+    assert ("keep-cache longest token gap at the flip / (2x steady gap + its stall): 0.75x "
+            "(goal <= 1x); over the whole epoch, the staging window included: 1.25x") in text, \
+        text
 
 
 def test_the_report_gives_the_delta_stall_and_the_staged_stall_against_its_floor():

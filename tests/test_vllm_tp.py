@@ -7,6 +7,8 @@ On this 2-core machine each TP rank gets one core (`VLLM_CPU_OMP_THREADS_BIND=0|
 
 - three trained versions, each checked by teacher-forced log-probabilities against transformers
   and by the logprob canary;
+- staged epochs, a delta among them, each flip on both ranks without a layerwise session (the
+  prepared layers installed, norms and embedding shards copied straight in), the same proof;
 - SIGKILL of one TP worker in the middle of a receive: the epoch fails typed, naming the shim;
   the shim reports NOT_SERVING and BROKEN; nothing serves a half-applied version.
 """
@@ -138,6 +140,13 @@ def test_each_tp_rank_keeps_a_committed_copy_for_delta_epochs_and_catch_ups(rig,
         serves(f"v{version}, a delta epoch")
         d = describe(rig.shim.address)
         assert d.committed_copy_version == version, d
+        # Both flips went without a layerwise session on both ranks (vllm_plugin/direct.py):
+        # the dense linear layers and the untied head prepared, the norms and each rank's
+        # shard of the embedding copied straight in; the log-probabilities above prove it.
+        direct = re.findall(r"the flip installed (\d+) prepared layers and copied (\d+) "
+                            r"tensors straight in, without a session",
+                            rig.server.log_path.read_text(errors="replace"))
+        assert len(direct) >= 4 and len(set(direct)) == 1, direct
 
         fleet.add(WorkerEndpoint(newcomer.instance_id, newcomer.address))
         caught = fleet.catch_up(newcomer.instance_id)

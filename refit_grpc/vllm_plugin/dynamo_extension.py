@@ -148,7 +148,6 @@ class RefitGlooWorkerExtension:
         from vllm.config import set_current_vllm_config
 
         from refit_grpc.wire.vllm import SOURCE_STAGED, GlooUpdateInfo
-        from refit_grpc.wire.worker import applied_marker
 
         update = GlooUpdateInfo(**update_info)
         receiver = self._refit_grpc_receiver()
@@ -159,13 +158,7 @@ class RefitGlooWorkerExtension:
                                "init_weights_update_group first")
         with set_current_vllm_config(self.vllm_config):
             receiver.model = self.model_runner.get_model()
-            receiver.start()
-            receiver.update(update)  # rolls back and raises with the applied marker on failure
-            try:
-                receiver.finish()
-            except Exception as e:
-                raise RuntimeError(f"{applied_marker(receiver.total, receiver.total)} the "
-                                   f"reload failed to finalize ({type(e).__name__}: {e})") from e
+            receiver.run_update(update)  # rolled back, the applied marker, on failure
         return dict(receiver.last_stats)
 
     def destroy_broadcaster(self, **_: Any) -> dict[str, Any]:

@@ -178,18 +178,17 @@ class RefitGlooWeightTransferEngine(
         return getattr(self.vllm_config, "lora_config", None) is not None
 
     def _flip(self, payload: str) -> StageStatus:
-        """A staged epoch's flip in one call (`wire.vllm.STAGE_OP_FLIP`): the session vLLM's
-        worker runs for /start_weight_update, /update_weights (source "staged") and
-        /finish_weight_update, in one turn of the engine loop. Its failure is the session's:
-        rolled back and raised with the applied marker (`LayerwiseReceiver.update`); a finalize
-        that fails after every bucket loaded says so.
+        """A staged epoch's flip in one call (`wire.vllm.STAGE_OP_FLIP`), one turn of the engine
+        loop: `LayerwiseReceiver.run_update`, the prepared layers installed and the norms and
+        embeddings copied straight in where that is all the plan needs (`direct.py`), else the
+        session vLLM's worker runs for /start_weight_update, /update_weights (source "staged")
+        and /finish_weight_update. Its failure is the session's: rolled back and raised with
+        the applied marker; a finalize that fails after every bucket loaded says so.
 
         Not on a LoRA engine: vLLM's worker removes every adapter after a session of its own
         (`reset_lora_state`), which this engine cannot reach; its shim flips through the
         routes (`WorkerInfo.flip_in_one_call`)."""
         from vllm.config import set_current_vllm_config
-
-        from refit_grpc.wire.worker import applied_marker
 
         if self._serves_lora:
             raise RuntimeError("refit_grpc gloo: a LoRA engine flips through vLLM's "
@@ -199,22 +198,14 @@ class RefitGlooWeightTransferEngine(
             raise ValueError("refit_grpc gloo: a flip loads the staged copy "
                              f"(source {wire_vllm.SOURCE_STAGED!r}), got source {info.source!r}")
         receiver = self.receiver
-        marks = [time.monotonic()]
+        # vLLM may retarget an update (set_weight_update_target); follow it.
+        receiver.model, receiver.model_config = self.model, self.model_config
+        t0 = time.monotonic()
         with set_current_vllm_config(self.vllm_config):
-            self.start_weight_update()
-            marks.append(time.monotonic())
-            receiver.update(info)  # rolls back and raises with the applied marker on failure
-            marks.append(time.monotonic())
-            try:
-                receiver.finish()
-            except Exception as e:
-                raise RuntimeError(f"{applied_marker(receiver.total, receiver.total)} the "
-                                   f"reload failed to finalize ({type(e).__name__}: {e})") from e
-        marks.append(time.monotonic())
+            receiver.run_update(info)  # rolled back, the applied marker, on failure
         # What the flip's stall holds inside the worker (docs/vllm.md, What the flip costs).
-        log.info("refit_grpc gloo: flip of version %s in one call: session opened in %.1f ms, "
-                 "copy loaded in %.1f ms, session finished in %.1f ms", info.version,
-                 *((b - a) * 1e3 for a, b in zip(marks, marks[1:])))
+        log.info("refit_grpc gloo: flip of version %s in one call: %.1f ms in the worker",
+                 info.version, (time.monotonic() - t0) * 1e3)
         return receiver.staged.status()
 
     def _configure(self, payload: str) -> StageStatus:

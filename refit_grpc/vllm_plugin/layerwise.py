@@ -64,6 +64,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from refit_grpc.collective import Group, receive, unpack
 from refit_grpc.common import Deadline, GroupSpec
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
+from refit_grpc.vllm_plugin.direct import copy_direct, direct_targets
 from refit_grpc.vllm_plugin.faults import StaleScales
 from refit_grpc.vllm_plugin.moe import ExpertsReprocessing
 from refit_grpc.vllm_plugin.prepared import PreparedLayers, prepare
@@ -273,6 +274,58 @@ class LayerwiseReceiver:
                  "(%d tensors of %d prepared layers taken from the preparation)",
                  len(plan.buckets), plan.total_bytes, seconds, len(skip),
                  len(prepared.shadows) if prepared else 0)
+
+    def run_update(self, update_info: GlooUpdateInfo) -> None:
+        """One whole update in one call (vLLM's `flip` operation, Dynamo's update route): the
+        session (`start`, `update`, `finish`), except for a staged epoch's flip whose plan the
+        prepared layers and direct copies cover (`direct.py`), which needs none. Fails as
+        `update` does: rolled back, the applied marker; a finalize that fails after every
+        bucket loaded says so."""
+        if self._flip_directly(update_info):
+            return
+        self.start()
+        self.update(update_info)  # rolls back and raises with the applied marker on failure
+        try:
+            self.finish()
+        except Exception as e:
+            raise RuntimeError(f"{applied_marker(self.total, self.total)} the reload failed "
+                               f"to finalize ({type(e).__name__}: {e})") from e
+
+    def _flip_directly(self, update_info: GlooUpdateInfo) -> bool:
+        """The flip without a session (`direct.py`); False, having changed nothing, where the
+        plan needs one."""
+        prepared = self._prepared
+        if (update_info.source != SOURCE_STAGED or prepared is None
+                or prepared.digest != update_info.staged_digest):
+            return False
+        staged_plan = self.staged.take(update_info.staged_digest)
+        plan = update_info.plan(staged_plan.packing)
+        if plan.digest != staged_plan.digest:
+            return False  # the session's load refuses it, with its message
+        targets = direct_targets(self.model, self.model_config, plan, prepared)
+        if targets is None:
+            return False
+        self._prepared = None
+        self.applied, self.total = 0, len(plan.buckets)
+        t0 = time.monotonic()
+        try:
+            copied = copy_direct(targets, plan, self.staged.copy)
+        except Exception as e:
+            # A loader refused a tensor its checks let through: the parameters before it hold
+            # the new values, the prepared layers were not installed.
+            self.staged.committed(None)
+            raise RuntimeError(f"{applied_marker(self.total, self.total)} the direct copy of "
+                               f"the staged copy failed ({type(e).__name__}: {e})") from e
+        installed = prepared.install()
+        self.applied = self.total
+        self.staged.committed(update_info.version or 0)
+        seconds = time.monotonic() - t0
+        self.last_stats = {"buckets": len(plan.buckets), "bytes": plan.total_bytes,
+                           "seconds": seconds, "rank": self.rank, "source": SOURCE_STAGED,
+                           "prepared_layers": installed, "direct": copied}
+        log.info("refit_grpc gloo: the flip installed %d prepared layers and copied %d tensors "
+                 "straight in, without a session, in %.3fs", installed, copied, seconds)
+        return True
 
     # --- staged epochs: the receive beside the engine loop (staged.py) ---------------------
 

@@ -11,13 +11,15 @@ serving: a *shadow* of the layer (a shallow copy of the module with tensors of i
 materialized from vLLM's reload metadata, filled by the layer's own weight loaders from the
 staged copy, processed by the layer's own quant method). The flip installs every shadow's state
 in its live layer (the module's attribute dict: no copy of any weight) and loads only the other
-layers through the layerwise reload while the engine is paused: norms, embeddings and output
-projections (tied heads included), experts, quantized layers, anything not recognised here.
+layers through the layerwise reload while the engine is paused: norms, embeddings, tied output
+projections, experts, quantized layers, anything not recognised here (or, where those are only
+norms and untied embeddings, copies them without a session: `direct.py`).
 
 Which layers are prepared: `LinearBase` modules served by `UnquantizedLinearMethod` with no
-children, of a model in `PREPARED_MODELS` (below) run eagerly, whose checkpoint tensors are all
-in the plan under their plain names: the module's own (`<module>.weight`, `<module>.bias`) or,
-for a fused module (`qkv_proj`, `gate_up_proj`), its parts from the model's
+children, and an output projection (`ParallelLMHead`, `UnquantizedEmbeddingMethod`) not tied to
+the input embedding, of a model in `PREPARED_MODELS` (below) run eagerly, whose checkpoint
+tensors are all in the plan under their plain names: the module's own (`<module>.weight`,
+`<module>.bias`) or, for a fused module (`qkv_proj`, `gate_up_proj`), its parts from the model's
 `packed_modules_mapping` with vLLM's shard ids (q/k/v for `QKVParallelLinear`, 0..n-1 for
 `MergedColumnParallelLinear`: the models' `stacked_params_mapping`). A compiled engine may hold
 a handle its graph was traced with; a checkpoint that holds the fused tensor itself (phi3), a
@@ -44,6 +46,11 @@ from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
 )
 from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
@@ -134,7 +141,20 @@ def _preparable(model: torch.nn.Module, model_config: Any, plan_names: set[str]
             or type(model).__name__ not in PREPARED_MODELS):
         return
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
+    embeddings = {id(m._parameters.get("weight")) for m in model.modules()
+                  if type(m) is VocabParallelEmbedding}
     for module_name, module in model.named_modules():
+        if isinstance(module, ParallelLMHead):
+            # An output projection is processed as a linear layer is (its `cpu_linear` for the
+            # logits); one tied to the input embedding shares its parameter, which the flip
+            # loads once through the loader (layerwise.TiedHead), so only an untied one.
+            if (type(getattr(module, "quant_method", None)) is UnquantizedEmbeddingMethod
+                    and id(module._parameters.get("weight")) not in embeddings
+                    and module in LAYERWISE_INFO):
+                sources = _own_sources(module_name, module, None)
+                if all(s.name in plan_names for s in sources):
+                    yield module, sources
+            continue
         if (not isinstance(module, LinearBase) or any(True for _ in module.children())
                 or type(getattr(module, "quant_method", None)) is not UnquantizedLinearMethod
                 or module not in LAYERWISE_INFO):
@@ -164,8 +184,13 @@ def _sources(module_name: str, module: torch.nn.Module, packed: dict[str, list[s
         parts = [(f"{prefix}.{name}" if prefix else name, shard) for name, shard in parts]
     else:
         parts = [(module_name, None)]
+    return [s for base, shard in parts for s in _own_sources(base, module, shard)]
+
+
+def _own_sources(base: str, module: torch.nn.Module, shard: ShardId) -> list[_Source]:
+    """The checkpoint tensors `<base>.weight` (and `<base>.bias`) of `module`'s parameters."""
     params = ["weight"] + (["bias"] if getattr(module, "bias", None) is not None else [])
-    return [_Source(f"{base}.{param}", param, shard) for base, shard in parts for param in params]
+    return [_Source(f"{base}.{param}", param, shard) for param in params]
 
 
 def _tensors(plan: RefitPlan, copy: StagingCopy, wanted: set[str]
@@ -209,7 +234,8 @@ def _build(layer: torch.nn.Module, sources: list[_Source], tensors: dict[str, to
             loader(param, tensors[source.name])
         else:
             loader(param, tensors[source.name], source.shard)
-    method: Any = shadow.quant_method  # UnquantizedLinearMethod: `_preparable` checked
+    # UnquantizedLinearMethod, or an untied head's UnquantizedEmbeddingMethod: `_preparable`
+    method: Any = shadow.quant_method
     method.process_weights_after_loading(shadow)
     update_tp: Any = getattr(shadow, "update_param_tp_status", None)
     if update_tp is not None:
