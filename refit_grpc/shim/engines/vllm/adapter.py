@@ -269,7 +269,10 @@ class VLLMEngine(HttpEngine):
                         query={"level": "0", "mode": mode.value},
                         cap_s=math.inf if mode is PauseMode.WAIT else None)
         if not keep_cache:
-            self._beside(lambda: self._reset_in_pause(mode, deadline))
+            # Its own bound, not the epoch's deadline: an abort that cancels the epoch must not
+            # cancel the reset of an engine that is paused (its resume waits for the reset).
+            reset = Deadline(self.request_timeout_s)
+            self._beside(lambda: self._reset_in_pause(mode, reset))
 
     def _reset_in_pause(self, mode: PauseMode, deadline: Deadline) -> None:
         if not self.reset_cache(deadline):
@@ -402,7 +405,8 @@ class VLLMEngine(HttpEngine):
             self._set_touched(True)  # the workers' session may move layers from here
             self._check_live(deadline, gen, what)
             info = flip_info_for(plan, worker_timeout(deadline.check(what)), digest, version)
-            self._beside(lambda: self._set_version_label(str(version), deadline))
+            label_deadline = Deadline(self.request_timeout_s)  # as the reset's (above)
+            self._beside(lambda: self._set_version_label(str(version), label_deadline))
             try:
                 self._watched_receive(
                     lambda _: self._http.call(
