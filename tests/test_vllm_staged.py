@@ -979,8 +979,11 @@ def _send_quietly(group: Group, plan: RefitPlan, tensors: dict,
 
 
 def _wait_landed(url: str, buckets: int, timeout_s: float) -> None:
+    """The worker's receive of this stage runs and landed `buckets`: a worker that still
+    reports the last complete copy (STAGED or idle with every bucket) has not started it yet
+    (the trainer's first buckets may sit in the sockets' buffers before it does)."""
     end = time.monotonic() + timeout_s
-    while worker_statuses(url)[0].landed < buckets:
+    while (status := worker_statuses(url)[0]).state != "receiving" or status.landed < buckets:
         assert time.monotonic() < end, f"fewer than {buckets} buckets landed in {timeout_s}s"
         time.sleep(0.05)
 
