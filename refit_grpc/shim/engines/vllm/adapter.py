@@ -405,7 +405,7 @@ class VLLMEngine(HttpEngine):
             self._set_touched(True)  # the workers' session may move layers from here
             self._check_live(deadline, gen, what)
             info = flip_info_for(plan, worker_timeout(deadline.check(what)), digest, version)
-            label_deadline = Deadline(self.request_timeout_s)  # as the reset's (above)
+            label_deadline = Deadline(self.request_timeout_s)  # its own bound, as the reset
             self._beside(lambda: self._set_version_label(str(version), label_deadline))
             try:
                 self._watched_receive(
