@@ -298,10 +298,15 @@ class LayerwiseReceiver:
         if (update_info.source != SOURCE_STAGED or prepared is None
                 or prepared.digest != update_info.staged_digest):
             return False
-        staged_plan = self.staged.take(update_info.staged_digest)
-        plan = update_info.plan(staged_plan.packing)
+        try:
+            staged_plan = self.staged.take(update_info.staged_digest)
+            plan = update_info.plan(staged_plan.packing)
+        except (RuntimeError, ValueError):
+            # Nothing (or another copy) is staged: the session's load refuses it, with its
+            # message and the marker that nothing was applied.
+            return False
         if plan.digest != staged_plan.digest:
-            return False  # the session's load refuses it, with its message
+            return False  # refused there as well
         targets = direct_targets(self.model, self.model_config, plan, prepared)
         if targets is None:
             return False
