@@ -182,6 +182,21 @@ def send(group: Group, plan: RefitPlan, tensors: dict,
     return checksums.hexdigest()
 
 
+def stage_version(engine: VLLMEngine, tensors: dict) -> Staging:
+    """One staged epoch of `tensors`, unpaced, the engine's group formed for it and closed
+    after; the stage, which staged exactly what the trainer sent."""
+    plan = plan_of(tensors)
+    group = form_group(engine, plan)
+    try:
+        staging = Staging(engine, plan, Deadline(EPOCH_S))
+        sent = send(group, plan, tensors)
+        staging.join(EPOCH_S)
+    finally:
+        group.close()
+    assert staging.error is None and staging.digest == sent, staging.error
+    return staging
+
+
 def flip(engine: VLLMEngine, version: int) -> float:
     """The shim's Flip: pause (keep), load the staged copy, clear the cache, resume; returns the
     stall in seconds (and prints its parts)."""
@@ -389,15 +404,7 @@ def test_every_flip_serves_the_trainers_log_probabilities(server, engine, traine
     for _ in range(2):
         before = engine_logprobs(server.url)
         version, tensors = next_version(trainer)
-        plan = plan_of(tensors)
-        group = form_group(engine, plan)
-        try:
-            staging = Staging(engine, plan, Deadline(EPOCH_S))
-            sent = send(group, plan, tensors)
-            staging.join(EPOCH_S)
-        finally:
-            group.close()
-        assert staging.error is None and staging.digest == sent, staging.error
+        staging = stage_version(engine, tensors)
         assert (engine_logprobs(server.url) - before).abs().max().item() == 0.0, \
             "staging changed what the engine computes"
         flips = installed_layers(server)
@@ -428,20 +435,6 @@ def weight_operations(url: str, operation: str) -> int:
     m = re.search(r'^vllm:rl_weight_update_operation_duration_seconds_count\{operation="'
                   + operation + r'"\} (\S+)$', text, re.M)
     return int(float(m.group(1))) if m else 0
-
-
-def stage_version(engine: VLLMEngine, tensors: dict) -> str:
-    """One staged epoch of `tensors`, unpaced; the staged digest."""
-    plan = plan_of(tensors)
-    group = form_group(engine, plan)
-    try:
-        staging = Staging(engine, plan, Deadline(EPOCH_S))
-        sent = send(group, plan, tensors)
-        staging.join(EPOCH_S)
-    finally:
-        group.close()
-    assert staging.error is None and staging.digest == sent, staging.error
-    return sent
 
 
 def test_the_flip_is_one_call_to_the_workers_and_a_failed_one_leaves_the_old_version(
@@ -546,14 +539,7 @@ def test_a_staged_epoch_ended_midway_leaves_the_old_weights_serving(server, engi
 
     # Recovered: a new group, a whole staged epoch, a flip.
     version, tensors = next_version(trainer)
-    group = form_group(engine, plan)
-    try:
-        staging = Staging(engine, plan, Deadline(EPOCH_S))
-        sent = send(group, plan, tensors)
-        staging.join(EPOCH_S)
-    finally:
-        group.close()
-    assert staging.error is None and staging.digest == sent, staging.error
+    stage_version(engine, tensors)
     flip(engine, version)
     trainer["version"] = version
     assert_serves(server.url, model, f"v{version} after the recovery")
