@@ -13,7 +13,8 @@ Architectures, one vLLM server each, reused across its versions:
 (b) the same model and server, the trainer sending transformers' whole state dict, which names
     the tied tensor twice; and a trainer sending two different tensors under the two names;
 (c) the untied tiny Llama of the other vLLM tests;
-(d) (a) served in bfloat16.
+(d) (a) served in bfloat16, its second and third versions staged: the flip installs the
+    linear layers prepared in bf16 while the engine served.
 
 At most two servers run at once: the servers of (a)/(b) and (c) boot together, (d)'s boots
 while (c) runs.
@@ -22,6 +23,7 @@ while (c) runs.
 from __future__ import annotations
 
 import copy
+import re
 import time
 
 import pytest
@@ -34,7 +36,7 @@ require_vllm()
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
-from refit_grpc import EpochFailedError  # noqa: E402
+from refit_grpc import EpochFailedError, InPlace, Staged  # noqa: E402
 from refit_grpc.proto import pb  # noqa: E402
 
 from vllm_support.truth import (  # noqa: E402
@@ -125,7 +127,9 @@ def test_untied_llama_refit_to_the_trainers_log_probabilities(rigs):
 def test_tied_embeddings_in_bfloat16_refit_to_the_trainers_log_probabilities(rigs):
     """(d) The tied model served with --dtype bfloat16 (vLLM CPU serves it here; AVX-512), the
     trainer sending bf16 tensors once each; the truth is transformers in bf16 on the same bf16
-    weights. Greedy tokens are not compared: near-ties flip under bf16 rounding."""
+    weights. Greedy tokens are not compared: near-ties flip under bf16 rounding. Versions 2
+    and 3 are staged: each flip installs the linear layers prepared in bf16 beside the engine
+    (vllm_plugin/prepared.py) and loads the tied embedding and the norms through the session."""
     for other in ("tied", "llama"):  # no-ops when the tests before closed them
         rigs[other].close()
     t0 = time.monotonic()
@@ -143,7 +147,12 @@ def test_tied_embeddings_in_bfloat16_refit_to_the_trainers_log_probabilities(rig
         return (hf_logprobs(bf16(model)) - hf_logprobs(rounded)).abs().max().item()
 
     refit_versions(rig, trainer, with_lm_head=False, send_dtype=torch.bfloat16, tol=BF16_TOL,
-                   reference=bf16, greedy=False, noise=noise)
+                   reference=bf16, greedy=False, noise=noise,
+                   epochs=(InPlace(), Staged(), Staged()))
+    # Per decoder layer qkv_proj, o_proj, gate_up_proj, down_proj; the head is tied: not prepared.
+    installed = re.findall(r"the flip installed (\d+) prepared layers",
+                           rig.server.log_path.read_text(errors="replace"))
+    assert installed == ["8", "8"], installed
 
 
 # --- the worker's routing of the two names of a tied parameter, without a server ---------------

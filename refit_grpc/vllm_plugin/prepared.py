@@ -68,10 +68,11 @@ ShardId = str | int | None
 # The model classes whose `load_weights` hands a dense linear layer's checkpoint tensors to its
 # weight loaders unchanged (by name, or through the packed mapping), each proven by a staged
 # flip against transformers in the tests (test_vllm_staged, test_vllm_families, test_vllm_tp,
-# the engine contract). Any other model loads every layer at the flip: a model that transforms
-# a weight in its own `load_weights` would otherwise be served the untransformed one.
-PREPARED_MODELS = frozenset({"LlamaForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
-                             "Qwen3MoeForCausalLM"})
+# the engine contract; Qwen2, tied, q/k/v biases, in bf16: test_vllm_truth). Any other model
+# loads every layer at the flip: a model that transforms a weight in its own `load_weights`
+# would otherwise be served the untransformed one.
+PREPARED_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+                             "MixtralForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 @dataclass(frozen=True)
