@@ -129,10 +129,12 @@ def _bench_catch_up(args: argparse.Namespace) -> int:
 def _bench_lora_quant(args: argparse.Namespace) -> int:
     from refit_grpc.tools.bench_lora_quant import run_bench_lora_quant
 
-    if args.quick:  # a 2-layer Llama of width 128, one epoch of each kind counted
+    if args.quick:  # a 2-layer Llama of width 128, one epoch of each kind counted, the servers
+        # booted together
         args.epochs, args.hidden, args.layers, args.buffer_size_bytes = 1, 128, 2, 1 << 20
     return run_bench_lora_quant(epochs=args.epochs, hidden=args.hidden, layers=args.layers,
-                                buffer_size_bytes=args.buffer_size_bytes)
+                                buffer_size_bytes=args.buffer_size_bytes,
+                                boot_together=args.quick)
 
 
 def _bench_scale(args: argparse.Namespace) -> int:
