@@ -75,13 +75,14 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_stall(args: argparse.Namespace) -> int:
     from refit_grpc.tools.bench_stall import run_stall_bench
 
-    if args.quick:  # a 2-layer Llama of width 128, one epoch of each mode counted, no figure
+    if args.quick:  # a 2-layer Llama of width 128, one epoch of each mode counted, no figure,
+        # the Dynamo part beside the vLLM part
         args.pairs, args.streams, args.max_tokens, args.hidden, args.layers = 1, 2, 48, 128, 2
         args.buffer_size_bytes, args.steady_s, args.png = 1 << 20, 1.0, ""
     return run_stall_bench(pairs=args.pairs, streams=args.streams, max_tokens=args.max_tokens,
                            hidden=args.hidden, layers=args.layers,
                            buffer_size_bytes=args.buffer_size_bytes, steady_s=args.steady_s,
-                           scale=args.scale, png=args.png or None)
+                           scale=args.scale, png=args.png or None, parts_together=args.quick)
 
 
 def _fit(need, total_mb: float | None, what: str) -> float | None:
