@@ -89,9 +89,11 @@ test: proto lint engines
 # The inner loop: lint and every test that starts no vLLM or Dynamo server (pytest marker
 # `engine`), without installing either engine, in CHECK_WORKERS processes (pytest-xdist, a
 # module per process: its fixtures stay whole). They mostly wait on shim processes, so 4 on 2
-# cores: 5 min 5 s in a fresh-clone CI run (2026-12-07); 6 were slower and load-sensitive tests
-# failed. `make test`'s engine tests stay in one process: their vLLM and Dynamo servers are
-# shared by the session and would not fit the machine twice.
+# cores: 5 min 5 s to 6 min 12 s of pytest in fresh-clone CI runs (2026-12-07), 5 min 17 s
+# warm; 6 were slower and load-sensitive tests failed. `make test`'s engine tests stay in one
+# process: their vLLM and Dynamo servers are shared by the session and would not fit the
+# machine twice; each server's boot is mostly three Python processes importing vLLM (about
+# 11 s each here: vLLM CPU forces the spawn start method).
 check: proto lint
 	$(PY) -m pytest -m "not engine" -n $(CHECK_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
