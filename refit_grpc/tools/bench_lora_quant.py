@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from refit_grpc.driver.options import InPlace, Staged
+from refit_grpc.integrations.quantization import FP8_DENSE
 from refit_grpc.testing.harness import Run, run_reported
 from refit_grpc.tools.bench_stall import build_model, versions
 
@@ -62,12 +63,11 @@ def run_bench_lora_quant(epochs: int = 5, hidden: int = 512, layers: int = 6,
     return status
 
 
-FP8 = "fp8_per_channel"  # refit_grpc.integrations.quantization.FP8_DENSE (checked at use)
 # The bench's servers: name -> (vLLM flags, environment).
 SERVERS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "lora": (("--enable-lora", "--max-lora-rank", str(RANK)), LORA_ENV),
     "bf16": (("--dtype", "bfloat16"), {}),
-    FP8: (("--dtype", "bfloat16", "--quantization", FP8), {}),
+    FP8_DENSE: (("--dtype", "bfloat16", "--quantization", FP8_DENSE), {}),
 }
 
 
@@ -190,14 +190,12 @@ def _adapters(run: Run, servers: _Servers, epochs: int, buffer_size_bytes: int) 
 def _quantized(run: Run, servers: _Servers, epochs: int, buffer_size_bytes: int) -> list[str]:
     import torch
 
-    from refit_grpc.integrations.quantization import FP8_DENSE
     from refit_grpc.testing.vllm import load_hf_model
 
     base = {n: t.detach().to(torch.bfloat16).contiguous()
             for n, t in load_hf_model(servers.model_dir).state_dict().items()}
     weights = versions(base, 2 * (epochs + 1), 1e-3)
     results = {}
-    assert FP8 == FP8_DENSE, (FP8, FP8_DENSE)
     for label in ("bf16", FP8_DENSE):
         engine = _Engine(run, servers, label, buffer_size_bytes)
         try:
