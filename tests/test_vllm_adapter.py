@@ -370,9 +370,10 @@ STAGED_PLAN = RefitPlan(tuple(TensorSpec(f"model.layers.{i}.w", (8,), torch.floa
                               for i in range(3)), Packing(16, 2))
 
 
-def _infos(flip_in_one_call: bool) -> tuple[int, dict]:
+def _infos(flip_in_one_call: bool, flip_in_loop: bool = False) -> tuple[int, dict]:
     """Two workers' `WorkerInfo`: the first question of a stage (no status() asked it yet)."""
-    return _workers(*[{"quantization": "none", "flip_in_one_call": flip_in_one_call}] * 2)
+    return _workers(*[{"quantization": "none", "flip_in_one_call": flip_in_one_call,
+                       "flip_in_loop": flip_in_loop}] * 2)
 
 
 def test_a_stage_reports_buckets_as_every_worker_lands_them_and_flips_from_the_copy(scripted):
@@ -443,6 +444,42 @@ def test_workers_that_can_flip_in_one_call_get_one_call_and_the_version_beside_i
     # the label went to 6 beside the load, and back to 5 once it failed
     labels = [b["new_version"] for p, b in scripted.requests if p == "/update_weight_version"]
     assert labels == ["6", "5"], labels
+
+
+def test_an_engine_loop_that_flips_in_one_turn_gets_one_call_and_nothing_else(scripted):
+    """Where the EngineCore says it flips in one turn (`WorkerInfo.flip_in_loop`), the flip is
+    one POST /collective_rpc "flip" carrying the `LoopFlip` (version label, cache reset): no
+    pause, no resume, no label route. Its answer is the loop's timing. One that fails leaves
+    the engine paused (its loop paused it) and nothing set back by the shim: the loop did."""
+    engine = VLLMEngine(scripted.url)
+    assert not engine.capabilities.flip_in_loop  # unknown until the workers were asked
+    staged = _workers(_w(1, "staged", 3, "d" * 64), _w(2, "staged", 3, "d" * 64))
+    scripted.answers["/collective_rpc"] = [
+        _infos(True, flip_in_loop=True), staged,
+        (200, {"results": [{"loop_flip": {"stall_s": 0.004, "load_s": 0.003}}]})]
+    assert engine.stage(STAGED_PLAN, Deadline(10), lambda b: None) == "d" * 64
+    assert engine.capabilities.flip_in_loop
+    scripted.requests.clear()
+    times = engine.flip_in_loop(5, False, Deadline(10))
+    assert (times.stall_s, times.load_s) == (0.004, 0.003)
+    assert scripted.paths() == ["/collective_rpc"]
+    (flip,) = [b for _, b in scripted.requests]
+    assert flip["kwargs"]["op"] == "flip"
+    assert json.loads(flip["kwargs"]["loop_flip"]) == \
+        {"weight_version": "5", "reset_caches": True, "multimodal": False}
+    assert json.loads(flip["kwargs"]["payload"])["staged_digest"] == "d" * 64
+    assert not engine.is_paused() and not engine.partial_on_failure
+
+    scripted.answers["/collective_rpc"] = [staged, (500, {"error": {"message": (
+        f"{applied_marker(0, 3)} load of the staged copy failed (RuntimeError: nothing is "
+        "staged); rolled back (0 partly loaded layers restored, weights unchanged)")}})]
+    assert engine.stage(STAGED_PLAN, Deadline(10), lambda b: None) == "d" * 64
+    scripted.requests.clear()
+    with pytest.raises(RefitError, match="nothing is staged"):
+        engine.flip_in_loop(6, True, Deadline(10))
+    assert json.loads(scripted.requests[0][1]["kwargs"]["loop_flip"])["reset_caches"] is False
+    assert scripted.paths() == ["/collective_rpc"]
+    assert engine.is_paused() and not engine.partial_on_failure
 
 
 @pytest.mark.parametrize("answers, error, reason", [

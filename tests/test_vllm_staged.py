@@ -478,6 +478,77 @@ def test_the_flip_is_one_call_to_the_workers_and_a_failed_one_leaves_the_old_ver
         sessions, "a flip went through vLLM's session routes"
 
 
+def loop_flips(server) -> list[str]:
+    """The versions the engine's loop flipped to in one turn, from its log
+    (`vllm_plugin.engine_loop`)."""
+    text = server.log_path.read_text(errors="replace")
+    return re.findall(r"flip to version (\S+) in one turn of the engine loop", text)
+
+
+def test_a_flip_in_one_turn_of_the_engine_loop_never_pauses_and_a_failed_one_pauses(
+        server, engine, trainer):
+    """(b'') Issue 23, item 2: the flip in one turn of vLLM's engine loop
+    (`VLLMEngine.flip_in_loop`, what the shim's Flip takes for KEEP without a canary or a
+    digest check): the caches reset, the version label set and the workers' flip, between two
+    steps, in one round trip. Under a token stream: the engine never reports itself paused,
+    the loop's own timing of the turn is inside the call's round trip, the stream keeps going,
+    and the new version's log-probabilities equal transformers'. A turn whose load fails
+    (the workers' copy dropped behind the shim's back) fails typed with nothing applied,
+    leaves the engine paused by its loop with its label set back and the old weights bit for
+    bit; resumed, it serves them, and the next staged epoch flips in one turn again."""
+    assert trainer["version"] >= 1, "runs after (a)"
+    engine.status()
+    assert engine.capabilities.flip_in_loop, "the EngineCore did not say it flips in one turn"
+    version, tensors = next_version(trainer)
+    stage_version(engine, tensors)
+    flipped = loop_flips(server)
+    with TokenStream(server.url) as stream:
+        stream.wait_tokens(20, STEP_S)
+        t0 = time.monotonic()
+        times = engine.flip_in_loop(version, False, Deadline(STEP_S))
+        t1 = time.monotonic()
+        paused = http_json("GET", server.url, "/is_paused")[1]["is_paused"]
+        stream.wait_tokens(sum(len(a) for a in stream.arrivals) + 10, STEP_S)
+    assert not stream.errors, stream.errors
+    trainer["version"] = version
+    print(f"\nv{version} flip in one turn: the loop's turn {times.stall_s * 1e3:.1f} ms (the "
+          f"workers {times.load_s * 1e3:.1f} ms), the call's round trip "
+          f"{(t1 - t0) * 1e3:.1f} ms, longest token gap around it "
+          f"{stream.longest_gap(t0 - 1.0, t1 + 1.0) * 1e3:.0f} ms")
+    assert not paused and not engine.is_paused()
+    assert 0 < times.load_s <= times.stall_s <= t1 - t0
+    assert loop_flips(server)[len(flipped):] == [str(version)]
+    assert_serves(server.url, trainer["model"], f"v{version} after a flip in one turn")
+    assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(version)}
+
+    served = version
+    before = engine_logprobs(server.url)
+    kept = copy.deepcopy(trainer["model"])
+    version, tensors = next_version(trainer)
+    stage_version(engine, tensors)
+    status, body = http_json("POST", server.url, "/collective_rpc", {
+        "method": "weight_transfer_engine", "kwargs": {"op": "drop_staged", "payload": "{}"}})
+    assert status == 200, body
+    try:
+        with pytest.raises(RefitError) as failed:
+            engine.flip_in_loop(version, False, Deadline(STEP_S))
+        assert "refit_grpc[applied=0/" in failed.value.message, failed.value.message
+        assert engine.is_paused() and engine.status().paused
+        assert http_json("GET", server.url, "/is_paused")[1] == {"is_paused": True}
+        assert http_json("GET", server.url, "/weight_info")[1] == {"weight_version": str(served)}
+    finally:
+        engine.resume(Deadline(STEP_S))
+    assert (engine_logprobs(server.url) - before).abs().max().item() == 0.0
+    trainer["model"] = kept
+
+    version, tensors = next_version(trainer)
+    stage_version(engine, tensors)
+    engine.flip_in_loop(version, False, Deadline(STEP_S))
+    trainer["version"] = version
+    assert_serves(server.url, trainer["model"], f"v{version} after a failed flip in one turn")
+    assert loop_flips(server)[-1] == str(version)
+
+
 @pytest.mark.parametrize("how", ["drop", "abort"])
 def test_a_staged_epoch_ended_midway_leaves_the_old_weights_serving(server, engine, trainer, how):
     """(c) The trainer sends 3 buckets and stalls (group open). `drop`: the shim drops the

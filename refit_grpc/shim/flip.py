@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from refit_grpc.common import Deadline, PauseMode
 from refit_grpc.errors import (
@@ -20,7 +21,7 @@ from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason
 from refit_grpc.shim.canary import score_canary
 from refit_grpc.shim.core import ShimCore, StagedVersion
-from refit_grpc.shim.engines.base import Engine
+from refit_grpc.shim.engines.base import Engine, LoopFlipTimes
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,8 @@ def load(core: ShimCore, staged: StagedVersion, mode: PauseMode, stay_paused: bo
     engine = core.engine
     if core.plan is not None and core.plan.adapter is not None:
         return _commit_adapter(core, staged, deadline)
+    if _in_one_turn(engine, staged, mode, stay_paused, resume_paused):
+        return _load_in_loop(core, staged, keep_cache, deadline)
     was_paused = engine.is_paused() and not resume_paused
     t_pause = time.monotonic()
     try:
@@ -150,6 +153,41 @@ def load(core: ShimCore, staged: StagedVersion, mode: PauseMode, stay_paused: bo
                            previous_copy_version=previous[0] if previous else 0)
 
 
+def _in_one_turn(engine: Engine, staged: StagedVersion, mode: PauseMode, stay_paused: bool,
+                 resume_paused: bool) -> bool:
+    """Whether the load may run in one turn of the engine's loop, without a pause: the engine
+    can (`Capabilities.flip_in_loop`), serves now, and nothing is asked of it between the load
+    and the resume (no canary to score, no digest to check before it serves, no staying
+    paused); KEEP only (an ABORT pause ends the running requests, a WAIT pause drains them)."""
+    return (engine.capabilities.flip_in_loop and mode is PauseMode.KEEP and not stay_paused
+            and not resume_paused and staged.canary is None and not staged.verify_weights
+            and not engine.is_paused())
+
+
+def _load_in_loop(core: ShimCore, staged: StagedVersion, keep_cache: bool,
+                  deadline: Deadline) -> pb.FlipResponse:
+    """The load in one turn of the engine's loop (`Engine.flip_in_loop`): caches reset (unless
+    kept), label set and staged copy loaded between two steps. The stall is the turn, as the
+    loop timed it; the round trip around it is not, the engine generates meanwhile."""
+    engine = core.engine
+    times: list[LoopFlipTimes] = []
+
+    def flip() -> str:
+        times.append(engine.flip_in_loop(staged.version, keep_cache, deadline))
+        return ""
+
+    _load_or_break(core, staged, deadline, flip)
+    with core.lock:
+        core.commit_locked(staged.version, None)
+        core.last_stall_s = times[0].stall_s
+    log.info("flipped to version %d in one turn of the engine loop: stall %.3fs (load %.3fs)",
+             staged.version, times[0].stall_s, times[0].load_s)
+    previous = engine.previous_copy
+    return pb.FlipResponse(version=staged.version, stall_seconds=times[0].stall_s,
+                           load_seconds=times[0].load_s, resumed=True,
+                           previous_copy_version=previous[0] if previous else 0)
+
+
 def _commit_adapter(core: ShimCore, staged: StagedVersion,
                     deadline: Deadline) -> pb.FlipResponse:
     """An adapter epoch's flip: the engine loads or replaces the adapter from its staged copy
@@ -174,15 +212,15 @@ def _commit_adapter(core: ShimCore, staged: StagedVersion,
                            resumed=False)
 
 
-def _load_or_break(core: ShimCore, staged: StagedVersion,
-                   deadline: Deadline) -> tuple[str, float]:
+def _load_or_break(core: ShimCore, staged: StagedVersion, deadline: Deadline,
+                   flip: Callable[[], str] | None = None) -> tuple[str, float]:
     """The engine's flip and its seconds (then the digest the epoch asked for); a failure
     leaves the weights partly loaded: BROKEN, paused until a full update, the group torn
     down."""
     engine = core.engine
     try:
         t_load = time.monotonic()
-        digest = engine.flip(staged.version, deadline)
+        digest = flip() if flip is not None else engine.flip(staged.version, deadline)
         load_s = time.monotonic() - t_load
         if staged.verify_weights and not digest:
             digest = engine.weights_digest(deadline)

@@ -12,7 +12,8 @@ there is no reason to make it try), and costs one dictionary lookup when vLLM is
 Only code that runs inside vLLM lives here. The trainer's side is the driver's (`Fleet.connect` and
 `Fleet.refit`, with `refit_grpc.driver.nccl` for vLLM's own `nccl` backend); what the routes take is
 `refit_grpc.wire.vllm`. Under NVIDIA Dynamo, `register()` also gives Dynamo's LoRA manager the
-source of adapter epochs (`dynamo_lora`).
+source of adapter epochs (`dynamo_lora`), and in vLLM's EngineCore process it wraps the loop's
+`collective_rpc` for a staged flip in one turn of the loop (`engine_loop`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ log = logging.getLogger("vllm.refit_grpc")  # under "vllm" so vLLM's log handler
 def register() -> None:
     """Register the `gloo` weight-transfer backend in vLLM's factory (entry point), and in
     Dynamo's worker the LoRA source of adapter epochs (`dynamo_lora`)."""
+    if "vllm.v1.engine.core" in sys.modules:
+        # The EngineCore process (vLLM loads plugins from EngineCore.__init__): a staged flip
+        # in one turn of its loop (`engine_loop`).
+        from refit_grpc.vllm_plugin.engine_loop import install
+
+        install()
     if "dynamo.vllm" in sys.modules:  # Dynamo's worker process
         from refit_grpc.vllm_plugin.dynamo_lora import register_source
 

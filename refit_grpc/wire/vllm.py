@@ -100,8 +100,79 @@ def parse_adapter_path(path: str) -> tuple[str, int] | None:
 SOURCE_STAGED = "staged"
 
 
+# A flip in one turn of the engine loop (`vllm_plugin.engine_loop`): a `STAGE_OP_FLIP` whose kwargs
+# also carry this key (a `LoopFlip`, JSON). vLLM's EngineCore takes it out before the workers
+# see the call, and around their flip, in the same turn of its loop, resets the caches and sets
+# the weight version: no pause, no resume, one round trip. Only sent to an engine whose workers'
+# `WorkerInfo.flip_in_loop` (said by the EngineCore, not the workers) is True.
+LOOP_FLIP_KWARG = "loop_flip"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopFlip:
+    """What the EngineCore does around a flip in one turn of its loop.
+
+    Args:
+        weight_version: the engine's weight version label from this flip on (vLLM's
+            `set_weight_version`: the version spans of the outputs change at this turn).
+        reset_caches: preempt the running requests (they recompute with the new weights) and
+            clear the prefix cache and a KV connector's; False keeps them (off-policy tokens,
+            `keep_cache`).
+        multimodal: also clear the multimodal and encoder caches (what the old vision tower
+            computed).
+    """
+
+    weight_version: str
+    reset_caches: bool = True
+    multimodal: bool = False
+
+    def to_wire(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_wire(cls, text: str) -> LoopFlip:
+        """Parse `to_wire`'s JSON; raises ValueError on anything else."""
+        body = json.loads(text)
+        if not isinstance(body, dict) or not isinstance(body.get("weight_version"), str):
+            raise ValueError(f"a loop flip must be an object with a weight_version, got "
+                             f"{text!r:.200}")
+        return cls(weight_version=body["weight_version"],
+                   reset_caches=bool(body.get("reset_caches", True)),
+                   multimodal=bool(body.get("multimodal", False)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopFlipDone:
+    """The EngineCore's answer to a flip in one turn of its loop (the one result of the
+    /collective_rpc call, beside the workers' own answers).
+
+    Args:
+        stall_s: the turn: what generation stopped for (caches reset, label set, the
+            workers' flip).
+        load_s: the workers' flip within it.
+    """
+
+    stall_s: float
+    load_s: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"loop_flip": dataclasses.asdict(self)}
+
+    @classmethod
+    def from_wire(cls, body: Any) -> LoopFlipDone:
+        """Parse the route's `results` (a list holding `to_wire`'s object); raises ValueError on
+        anything else."""
+        done = body[0].get("loop_flip") if isinstance(body, list) and body and \
+            isinstance(body[0], dict) else None
+        if not isinstance(done, dict) or not all(
+                isinstance(done.get(k), int | float) for k in ("stall_s", "load_s")):
+            raise ValueError(f"not a loop flip's answer: {body!r:.200}")
+        return cls(stall_s=float(done["stall_s"]), load_s=float(done["load_s"]))
+
+
 def stage_rpc_body(op: str, update_info: dict[str, Any] | None = None,
-                   timeout_s: float | None = None) -> dict[str, Any]:
+                   timeout_s: float | None = None,
+                   loop_flip: LoopFlip | None = None) -> dict[str, Any]:
     """The body of POST /collective_rpc for one staged-epoch operation on every worker.
 
     Args:
@@ -110,14 +181,19 @@ def stage_rpc_body(op: str, update_info: dict[str, Any] | None = None,
             `flip_info_for(...)` for `STAGE_OP_FLIP`, a `ServeInfo.to_wire()` for
             `STAGE_OP_SERVE`, else None.
         timeout_s: how long vLLM waits for the workers' answers.
+        loop_flip: with `STAGE_OP_FLIP` only: the flip in one turn of the engine loop.
 
     Returns:
         The JSON body.
     """
     if op not in STAGE_OPS:
         raise ValueError(f"unknown staged-epoch operation {op!r}")
+    if loop_flip is not None and op != STAGE_OP_FLIP:
+        raise ValueError(f"a loop flip is a {STAGE_OP_FLIP!r}, not {op!r}")
     body: dict[str, Any] = {"method": STAGE_RPC_METHOD,
                             "kwargs": {"op": op, "payload": json.dumps(update_info or {})}}
+    if loop_flip is not None:
+        body["kwargs"][LOOP_FLIP_KWARG] = loop_flip.to_wire()
     if timeout_s is not None:
         body["timeout"] = timeout_s
     return body

@@ -120,12 +120,17 @@ class WorkerInfo:
             in one call (vLLM: `wire.vllm.STAGE_OP_FLIP`); False where it cannot (a LoRA
             engine, whose worker must reset its adapters after the session) and in an older
             worker's answer: the shim then flips through the three session routes.
+        flip_in_loop: whether the engine's loop (vLLM's EngineCore, which every worker's answer
+            passes through: `vllm_plugin.engine_loop`) does a flip in one turn with the cache
+            reset and the version label around it (`wire.vllm.LoopFlip`): no pause, one round
+            trip. Not the worker's to say; False in an answer that did not pass such a loop.
     """
 
     quantization: str = NO_QUANTIZATION
     multimodal: bool = False
     adapters: dict[str, int] = dataclasses.field(default_factory=dict)
     flip_in_one_call: bool = False
+    flip_in_loop: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

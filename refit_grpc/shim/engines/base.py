@@ -70,6 +70,10 @@ class Capabilities:
             it against what the engine serves, `stage` receives it, and `flip` loads or
             replaces the adapter while the engine serves, without a pause (else
             ADAPTER_UNSUPPORTED at Prepare).
+        flip_in_loop: `flip_in_loop` works: a staged flip with the cache reset and the new
+            version label in one turn of the engine's loop, between two steps, without a pause
+            (else the shim pauses, flips, resumes). Not asked for by a request: the shim takes
+            it for a Flip that needs nothing in between (`shim.flip.load`).
     """
 
     canary: bool = False
@@ -79,6 +83,20 @@ class Capabilities:
     rollback: bool = False
     keep_cache: bool = False
     adapters: bool = False
+    flip_in_loop: bool = False
+
+
+@dataclass(frozen=True)
+class LoopFlipTimes:
+    """A flip in one turn of the engine's loop, as the loop timed it.
+
+    Args:
+        stall_s: the turn: how long the engine stopped generating.
+        load_s: the load of the staged copy within it.
+    """
+
+    stall_s: float
+    load_s: float
 
 
 class Engine(ABC):
@@ -378,6 +396,19 @@ class Engine(ABC):
         """
         raise FailedPreconditionError(f"the {self.kind} engine cannot flip",
                                       reason=Reason.STAGING_UNSUPPORTED)
+
+    def flip_in_loop(self, version: int, keep_cache: bool, deadline: Deadline) -> LoopFlipTimes:
+        """`flip`, not paused: in one turn of the engine's loop (between two steps) the caches
+        are reset as a pause would reset them (unless `keep_cache`), the version label set and
+        the staged copy loaded; the engine generates before and after that turn only. Only
+        where `Capabilities.flip_in_loop`.
+
+        Raises:
+            RefitError: as `flip`; the engine is then paused (nothing served from weights that
+                may be partial).
+        """
+        raise FailedPreconditionError(f"the {self.kind} engine cannot flip in one turn of its "
+                                      "loop", reason=Reason.STAGING_UNSUPPORTED)
 
     def drop_staged(self) -> None:
         """Forget the staged copy (its memory may be kept for the next epoch). Never blocks;

@@ -70,7 +70,7 @@ from refit_grpc.errors import (
 )
 from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
-from refit_grpc.shim.engines.base import Engine
+from refit_grpc.shim.engines.base import Engine, LoopFlipTimes
 from refit_grpc.shim.engines.checkpoint import CheckpointIndex
 from refit_grpc.shim.engines.http_client import (
     CallKind,
@@ -533,6 +533,29 @@ class HttpEngine(Engine):
 
         An adapter plan's flip (never paused) is `_flip_adapter`: the copy is spent on the
         adapter, so the workers keep no committed copy of the model after it."""
+        return self._flip(version, deadline, self._load_staged)
+
+    def flip_in_loop(self, version: int, keep_cache: bool, deadline: Deadline) -> LoopFlipTimes:
+        """`flip` in one turn of the engine's loop (`_load_in_loop`), not paused."""
+        times: list[LoopFlipTimes] = []
+
+        def load(plan: RefitPlan, digest: str, version: int, deadline: Deadline) -> str:
+            times.append(self._load_in_loop(plan, digest, version, keep_cache, deadline))
+            return ""
+
+        self._flip(version, deadline, load)
+        return times[0]
+
+    def _load_in_loop(self, plan: RefitPlan, digest: str, version: int, keep_cache: bool,
+                      deadline: Deadline) -> LoopFlipTimes:
+        """`_load_staged` in one turn of the engine's loop, caches and label included: an engine
+        with `Capabilities.flip_in_loop` implements it."""
+        return Engine.flip_in_loop(self, version, keep_cache, deadline)
+
+    def _flip(self, version: int, deadline: Deadline,
+              load: Callable[[RefitPlan, str, int, Deadline], str]) -> str:
+        """`flip` with the load and commit of a model's copy given (`_load_staged`, or
+        `flip_in_loop`'s): the staged copy taken, then committed once `load` returned."""
         with self._lock:
             staged, self._staged = self._staged, None
             if staged is not None and staged[0].adapter is not None:
@@ -547,7 +570,7 @@ class HttpEngine(Engine):
                 self._adapters[plan.adapter.name] = version
             return ""
         try:
-            result = self._load_staged(plan, digest, version, deadline)
+            result = load(plan, digest, version, deadline)
         except BaseException:
             with self._lock:  # partly loaded: no copy is trusted
                 self._previous = self._set_aside = self._restoring = None

@@ -82,7 +82,7 @@ from refit_grpc.errors import (
 )
 from refit_grpc.plan import Packing, RefitPlan, dtype_name
 from refit_grpc.reasons import Reason
-from refit_grpc.shim.engines.base import Capabilities, EngineStatus
+from refit_grpc.shim.engines.base import Capabilities, EngineStatus, LoopFlipTimes
 from refit_grpc.shim.engines.checkpoint import CheckpointIndex
 from refit_grpc.shim.engines.http_client import CallKind, error_text
 from refit_grpc.shim.engines.http_engine import (
@@ -105,6 +105,8 @@ from refit_grpc.wire.vllm import (
     STAGE_OP_START,
     STAGE_OP_STATUS,
     GlooUpdateInfo,
+    LoopFlip,
+    LoopFlipDone,
     adapter_path,
     flip_info_for,
     init_info_for,
@@ -149,8 +151,10 @@ class VLLMEngine(HttpEngine):
         # Whether the adapters vLLM already served when this shim started were read (status():
         # `_read_served_adapters` adds them to `_adapters`).
         self._adapters_read = False
-        # The workers' `WorkerInfo.flip_in_one_call`, asked with the quantization.
+        # The workers' `WorkerInfo.flip_in_one_call` and `flip_in_loop`, asked with the
+        # quantization.
         self._flip_in_one_call = False
+        self._flip_in_loop = False
         # The weight version vLLM declares, as this shim last set or read it: what a failed
         # one-call flip sets back.
         self._version_label: str | None = None
@@ -167,11 +171,16 @@ class VLLMEngine(HttpEngine):
         receive on a thread beside the engine loop; vLLM's own nccl backend has no such
         receive (docs/vllm.md, Staged epochs), whose workers keep the copy a flip loaded as
         their committed copy: delta epochs apply onto it and catch-ups are served from it.
-        Keeping the caches across a flip is vLLM's own pause (clear_cache=false), any backend."""
+        Keeping the caches across a flip is vLLM's own pause (clear_cache=false), any backend.
+        A flip in one turn of the engine loop where its EngineCore says it can
+        (`WorkerInfo.flip_in_loop`, `vllm_plugin.engine_loop`) and the workers flip in one
+        call."""
         with self._lock:
             gloo = self._backend == "gloo"
+            in_loop = gloo and self._flip_in_loop and self._flip_in_one_call
         return Capabilities(canary=True, staging=gloo, delta=gloo, serving_copy=gloo,
-                            rollback=gloo, keep_cache=True, adapters=gloo)
+                            rollback=gloo, keep_cache=True, adapters=gloo,
+                            flip_in_loop=in_loop)
 
     @property
     def world_size(self) -> int:
@@ -423,6 +432,56 @@ class VLLMEngine(HttpEngine):
         with self._lock:
             self._touched = False  # the new version is whole
         return ""
+
+    def _load_in_loop(self, plan: RefitPlan, digest: str, version: int, keep_cache: bool,
+                      deadline: Deadline) -> LoopFlipTimes:
+        """The workers' one-call flip (`STAGE_OP_FLIP`) with a `LoopFlip`: vLLM's EngineCore
+        resets the caches (unless kept), sets the version label and runs the flip in one turn
+        of its loop, between two steps (`vllm_plugin.engine_loop`): no pause, no resume, one
+        round trip. Its failure leaves the engine paused by its loop (and the label set back)."""
+        what = "flip"
+        gen = self._http.generation
+        self._settle(deadline)  # an earlier pause's reset that failed fails this flip
+        loop = LoopFlip(weight_version=str(version), reset_caches=not keep_cache,
+                        multimodal=self._multimodal is not False)
+        answer: list[Any] = []
+        with self._weight_call(receiving=True):
+            self._set_touched(True)
+            self._check_live(deadline, gen, what)
+            info = flip_info_for(plan, worker_timeout(deadline.check(what)), digest, version)
+            try:
+                self._watched_receive(
+                    lambda _: answer.append(self._http.call(
+                        "POST", "/collective_rpc", deadline, kind=CallKind.RECEIVE, what=what,
+                        body=stage_rpc_body(STAGE_OP_FLIP, info, loop_flip=loop),
+                        cap_s=math.inf, extra_s=1.0, watch=deadline, gen=gen)),
+                    what, deadline, gen, None, None)
+            except BaseException:
+                if answer:
+                    # The turn loaded the new version, then the epoch was aborted: not
+                    # committed, so not served either (a failed turn paused it itself).
+                    self._pause_quietly()
+                with self._lock:
+                    self._paused = True
+                raise
+        with self._lock:
+            self._touched = False  # the new version is whole
+            self._version_label = str(version)
+        body = answer[0] if answer else None
+        try:
+            done = LoopFlipDone.from_wire(body.get("results") if isinstance(body, dict)
+                                          else None)
+        except ValueError as e:
+            raise EngineUnavailableError(f"vLLM at {self.url}: the loop flip's answer is "
+                                         f"unreadable ({e})") from e
+        return LoopFlipTimes(stall_s=done.stall_s, load_s=done.load_s)
+
+    def _pause_quietly(self) -> None:
+        try:
+            self._http.call("POST", "/sleep", Deadline(self.request_timeout_s),
+                            what="pause(keep)", query={"level": "0", "mode": "keep"})
+        except RefitError as e:
+            log.warning("vLLM at %s could not be paused after an aborted flip: %s", self.url, e)
 
     def _set_version_label(self, label: str, deadline: Deadline) -> None:
         self._http.call("POST", "/update_weight_version", deadline, what="update_weight_version",
@@ -718,6 +777,7 @@ class VLLMEngine(HttpEngine):
         self._quantization = names.pop() if len(names) == 1 else ""
         self._multimodal = any(info.multimodal for info in infos)
         self._flip_in_one_call = all(info.flip_in_one_call for info in infos)
+        self._flip_in_loop = all(info.flip_in_loop for info in infos)
         try:
             label = self.weight_version(Deadline(self.status_timeout_s))
         except RefitError:
