@@ -214,7 +214,8 @@ def test_a_failed_adapter_flip_leaves_what_was_served_and_the_next_version_flips
               f"{NAME} and the base model unchanged; state {pb.ShimState.Name(d.state)}")
 
 
-def test_bad_adapters_are_refused_at_prepare_and_change_nothing(pool, rig, trainer, tmp_path):
+def test_bad_adapters_are_refused_at_prepare_and_change_nothing(pool, rig, trainer, tmp_path,
+                                                                vllm_servers):
     """(b) Module docstring. An adapter the operator loaded from a file keeps its name: an
     adapter epoch under that name is refused, as it would replace it."""
     assert trainer["version"] >= VERSIONS + 2, "runs after (a)"
@@ -249,7 +250,9 @@ def test_bad_adapters_are_refused_at_prepare_and_change_nothing(pool, rig, train
         (before.plan_digest, before.weight_version, list(before.adapters))
     assert torch.equal(engine_logprobs(rig.url, model=NAME), adapter_before)
 
-    plain = pool.rig("no-lora", tiny_model_dir()).ready()
+    # An engine without --enable-lora: the session's plain tiny Llama (nothing here changes it).
+    plain = pool.rig("no-lora", tiny_model_dir(),
+                     server=vllm_servers.server(tiny_model_dir())).ready()
     with pytest.raises(FleetError) as caught:
         plain.fleet.prepare(info, adapter=trainer["spec"])
     (failure,) = caught.value.failures
