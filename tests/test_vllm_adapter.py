@@ -470,13 +470,21 @@ def test_an_engine_loop_that_flips_in_one_turn_gets_one_call_and_nothing_else(sc
     assert json.loads(flip["kwargs"]["payload"])["staged_digest"] == "d" * 64
     assert not engine.is_paused() and not engine.partial_on_failure
 
+    # An answer without the loop's timing (the turn succeeded: HTTP 200) is not a failure: the
+    # round trip stands for the stall.
+    scripted.answers["/collective_rpc"] = [staged, (200, {"results": [None, None]})]
+    assert engine.stage(STAGED_PLAN, Deadline(10), lambda b: None) == "d" * 64
+    times = engine.flip_in_loop(6, False, Deadline(10))
+    assert 0 < times.stall_s == times.load_s < 10
+    assert not engine.is_paused()
+
     scripted.answers["/collective_rpc"] = [staged, (500, {"error": {"message": (
         f"{applied_marker(0, 3)} load of the staged copy failed (RuntimeError: nothing is "
         "staged); rolled back (0 partly loaded layers restored, weights unchanged)")}})]
     assert engine.stage(STAGED_PLAN, Deadline(10), lambda b: None) == "d" * 64
     scripted.requests.clear()
     with pytest.raises(RefitError, match="nothing is staged"):
-        engine.flip_in_loop(6, True, Deadline(10))
+        engine.flip_in_loop(7, True, Deadline(10))
     assert json.loads(scripted.requests[0][1]["kwargs"]["loop_flip"])["reset_caches"] is False
     assert scripted.paths() == ["/collective_rpc"]
     assert engine.is_paused() and not engine.partial_on_failure

@@ -67,6 +67,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -445,6 +446,7 @@ class VLLMEngine(HttpEngine):
         loop = LoopFlip(weight_version=str(version), reset_caches=not keep_cache,
                         multimodal=self._multimodal is not False)
         answer: list[Any] = []
+        t_call = time.monotonic()
         with self._weight_call(receiving=True):
             self._set_touched(True)
             self._check_live(deadline, gen, what)
@@ -472,8 +474,12 @@ class VLLMEngine(HttpEngine):
             done = LoopFlipDone.from_wire(body.get("results") if isinstance(body, dict)
                                           else None)
         except ValueError as e:
-            raise EngineUnavailableError(f"vLLM at {self.url}: the loop flip's answer is "
-                                         f"unreadable ({e})") from e
+            # The turn succeeded (HTTP 200): the new version serves. Only its timing is lost;
+            # the round trip bounds it.
+            round_trip = time.monotonic() - t_call
+            log.warning("vLLM at %s: the loop flip's answer is unreadable (%s); its stall is "
+                        "taken as the round trip, %.3fs", self.url, e, round_trip)
+            return LoopFlipTimes(stall_s=round_trip, load_s=round_trip)
         return LoopFlipTimes(stall_s=done.stall_s, load_s=done.load_s)
 
     def _pause_quietly(self) -> None:
