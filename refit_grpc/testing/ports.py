@@ -27,9 +27,15 @@ def free_port(host: str = "") -> int:
 
 
 @contextmanager
-def unused_port(host: str = "127.0.0.1") -> Iterator[int]:
+def unused_port(host: str = "127.0.0.1", port: int = 0) -> Iterator[int]:
     """A port on `host` where nothing listens, held for the block: bound, never listening, so a
-    connect to it is refused, and no other process can bind it until the block ends."""
+    connect to it is refused, and no other process can bind it until the block ends. `port`:
+    that one, once what listened there is gone (a killed server's address stays refused for
+    the block, instead of being free for the next server that binds port 0: tests that start
+    shims in parallel did take one over)."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        if port:
+            # What listened there may have left its connections in TIME_WAIT.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
         yield s.getsockname()[1]
