@@ -63,8 +63,10 @@ def install() -> bool:
         return True
 
     def collective_rpc(self: Any, method: Any, timeout: float | None = None,
-                       args: tuple = (), kwargs: dict[str, Any] | None = None) -> Any:
-        if method == STAGE_RPC_METHOD and kwargs:
+                       args: tuple = (), kwargs: dict[str, Any] | None = None,
+                       *more: Any, **named: Any) -> Any:
+        # `more`, `named`: whatever a later vLLM adds to the signature, passed on untouched.
+        if method == STAGE_RPC_METHOD and kwargs and not more and not named:
             if LOOP_FLIP_KWARG in kwargs:
                 return _flip_in_loop(self, original, timeout, args, kwargs)
             if kwargs.get("op") == STAGE_OP_INFO:
@@ -72,7 +74,7 @@ def install() -> bool:
                 can = in_loop_possible(self)
                 return [dict(a, flip_in_loop=can) if isinstance(a, dict) else a
                         for a in answers]
-        return original(self, method, timeout, args, kwargs)
+        return original(self, method, timeout, args, kwargs, *more, **named)
 
     setattr(collective_rpc, _WRAPPED, True)
     collective_rpc.__doc__ = original.__doc__
