@@ -89,8 +89,9 @@ test: proto lint engines
 # The inner loop: lint and every test that starts no vLLM or Dynamo server (pytest marker
 # `engine`), without installing either engine, in CHECK_WORKERS processes (pytest-xdist, a
 # module per process: its fixtures stay whole). They mostly wait on shim processes, so 4 on 2
-# cores: 5 min 5 s to 6 min 12 s of pytest in fresh-clone CI runs (2026-12-07), 5 min 17 s
-# warm; 6 were slower and load-sensitive tests failed. `make test`'s engine tests stay in one
+# cores: 5 min 5 s to 6 min 12 s of pytest in fresh-clone CI runs one day (2026-12-07), 5 min
+# 17 s warm; 4 min 18 s and 4 min 27 s fresh, 4 min 31 s warm, on a faster later day; 6 were
+# slower and load-sensitive tests failed. `make test`'s engine tests stay in one
 # process: their vLLM and Dynamo servers are shared by the session and would not fit the
 # machine twice; each server's boot is mostly three Python processes importing vLLM (about
 # 11 s each here: vLLM CPU forces the spawn start method).
