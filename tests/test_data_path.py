@@ -18,7 +18,7 @@ from refit_grpc.plan import RefitPlan, weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 
-from support import endpoints, fleet_mid_epoch, info
+from support import endpoints, fleet_mid_epoch, info, join_trainer
 
 BUCKET = 16 * 1024
 
@@ -241,3 +241,35 @@ def test_refit_right_after_an_aborted_one_is_byte_exact(shim_procs):
         assert [d.weights_digest for d in fleet.describe()] == [want, want]
         assert [d.weight_version for d in fleet.describe()] == [3, 3]
         link.close()
+
+
+def test_a_closed_group_is_freed_without_a_full_collection_and_its_peer_fails_at_once(
+        monkeypatch):
+    """Group.close's reaper drops the last references; a full `gc.collect()` (0.4 s holding the
+    GIL in a vLLM worker's heap, every thread of it frozen) only when something else still holds
+    the group. The peer's pending receive fails at once either way."""
+    import gc as gc_module
+
+    from refit_grpc import collective
+
+    collected: list[tuple] = []
+    real = gc_module.collect
+    monkeypatch.setattr(collective.gc, "collect",
+                        lambda *a: (collected.append(a), real(*a))[1])
+    port, thread, box = join_trainer(2, "reap-test")
+    engine = Group.join(GroupSpec("127.0.0.1", port, 2, 1, "gloo", "reap-test"), 20.0)
+    thread.join(20)
+    trainer = box["group"]
+    pending = engine.broadcast_async(torch.empty(1 << 20, dtype=torch.uint8), Deadline(30))
+    t0 = time.monotonic()
+    trainer.close()
+    collective.join_reapers()
+    assert collected == [], "a group nothing else held went through a full collection"
+    with pytest.raises(RefitError):
+        pending.wait(Deadline(30), "the receive")
+    assert time.monotonic() - t0 < 10
+    held = engine._pg  # held elsewhere: only a collection can be sure to free it now
+    engine.close()
+    collective.join_reapers()
+    assert collected, "a group held elsewhere was not collected"
+    del held
