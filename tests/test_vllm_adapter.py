@@ -370,6 +370,12 @@ STAGED_PLAN = RefitPlan(tuple(TensorSpec(f"model.layers.{i}.w", (8,), torch.floa
                               for i in range(3)), Packing(16, 2))
 
 
+# The workers' answer to a flip whose staged copy was dropped behind the shim's back.
+NOTHING_STAGED = (500, {"error": {"message": (
+    f"{applied_marker(0, 3)} load of the staged copy failed (RuntimeError: nothing is staged); "
+    "rolled back (0 partly loaded layers restored, weights unchanged)")}})
+
+
 def _infos(flip_in_one_call: bool, flip_in_loop: bool = False) -> tuple[int, dict]:
     """Two workers' `WorkerInfo`: the first question of a stage (no status() asked it yet)."""
     return _workers(*[{"quantization": "none", "flip_in_one_call": flip_in_one_call,
@@ -433,9 +439,7 @@ def test_workers_that_can_flip_in_one_call_get_one_call_and_the_version_beside_i
     assert ("/update_weight_version", {"new_version": "5"}) in scripted.requests
     assert not engine.partial_on_failure
 
-    scripted.answers["/collective_rpc"] = [staged, (500, {"error": {"message": (
-        f"{applied_marker(0, 3)} load of the staged copy failed (RuntimeError: nothing is "
-        "staged); rolled back (0 partly loaded layers restored, weights unchanged)")}})]
+    scripted.answers["/collective_rpc"] = [staged, NOTHING_STAGED]
     assert engine.stage(STAGED_PLAN, Deadline(10), lambda b: None) == "d" * 64
     scripted.requests.clear()
     with pytest.raises(RefitError, match="nothing is staged"):
@@ -478,9 +482,7 @@ def test_an_engine_loop_that_flips_in_one_turn_gets_one_call_and_nothing_else(sc
     assert 0 < times.stall_s == times.load_s < 10
     assert not engine.is_paused()
 
-    scripted.answers["/collective_rpc"] = [staged, (500, {"error": {"message": (
-        f"{applied_marker(0, 3)} load of the staged copy failed (RuntimeError: nothing is "
-        "staged); rolled back (0 partly loaded layers restored, weights unchanged)")}})]
+    scripted.answers["/collective_rpc"] = [staged, NOTHING_STAGED]
     assert engine.stage(STAGED_PLAN, Deadline(10), lambda b: None) == "d" * 64
     scripted.requests.clear()
     with pytest.raises(RefitError, match="nothing is staged"):

@@ -437,6 +437,17 @@ def weight_operations(url: str, operation: str) -> int:
     return int(float(m.group(1))) if m else 0
 
 
+def stage_then_drop_behind_the_shims_back(server, engine: VLLMEngine, trainer) -> int:
+    """Stage the next version, then drop the workers' copy without the shim knowing (their own
+    route): the flip that follows fails in the workers with nothing applied. The version."""
+    version, tensors = next_version(trainer)
+    stage_version(engine, tensors)
+    status, body = http_json("POST", server.url, "/collective_rpc", {
+        "method": "weight_transfer_engine", "kwargs": {"op": "drop_staged", "payload": "{}"}})
+    assert status == 200, body
+    return version
+
+
 def test_the_flip_is_one_call_to_the_workers_and_a_failed_one_leaves_the_old_version(
         server, engine, trainer):
     """(b') The flip is one call to the workers (`STAGE_OP_FLIP`, the whole weight-update
@@ -450,11 +461,7 @@ def test_the_flip_is_one_call_to_the_workers_and_a_failed_one_leaves_the_old_ver
     before = engine_logprobs(server.url)
     sessions = [weight_operations(server.url, op) for op in ("start", "update", "finish")]
     kept = copy.deepcopy(trainer["model"])
-    version, tensors = next_version(trainer)
-    stage_version(engine, tensors)
-    status, body = http_json("POST", server.url, "/collective_rpc", {
-        "method": "weight_transfer_engine", "kwargs": {"op": "drop_staged", "payload": "{}"}})
-    assert status == 200, body
+    version = stage_then_drop_behind_the_shims_back(server, engine, trainer)
     engine.pause(PauseMode.KEEP, Deadline(STEP_S))
     try:
         with pytest.raises(RefitError) as failed:
@@ -525,11 +532,7 @@ def test_a_flip_in_one_turn_of_the_engine_loop_never_pauses_and_a_failed_one_pau
     served = version
     before = engine_logprobs(server.url)
     kept = copy.deepcopy(trainer["model"])
-    version, tensors = next_version(trainer)
-    stage_version(engine, tensors)
-    status, body = http_json("POST", server.url, "/collective_rpc", {
-        "method": "weight_transfer_engine", "kwargs": {"op": "drop_staged", "payload": "{}"}})
-    assert status == 200, body
+    version = stage_then_drop_behind_the_shims_back(server, engine, trainer)
     try:
         with pytest.raises(RefitError) as failed:
             engine.flip_in_loop(version, False, Deadline(STEP_S))
