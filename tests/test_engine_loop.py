@@ -114,7 +114,17 @@ def test_an_engine_with_a_step_in_flight_across_turns_says_so_and_refuses_the_ke
     assert [i["flip_in_loop"] for i in infos] == [False, False]
     with pytest.raises(RuntimeError, match="flip it in a pause"):
         core.collective_rpc(STAGE_RPC_METHOD, None, kwargs=_flip_kwargs(LoopFlip(weight_version="5")))
-    assert core.calls[-1][0] == "workers" and core.label == "4"  # only the info call went on
+    # Nothing went on to the workers (only the info call did); paused, as after any failed turn.
+    assert [c[0] for c in core.calls] == ["workers", "label", "pause"] and core.label == "4"
+
+
+def test_a_cache_reset_that_fails_loads_nothing_and_pauses(wrapped):
+    core = wrapped()
+    core.reset_prefix_cache = lambda **_: False
+    with pytest.raises(RuntimeError, match="nothing was loaded"):
+        core.collective_rpc(STAGE_RPC_METHOD, None, kwargs=_flip_kwargs(LoopFlip(weight_version="5")))
+    assert core.label == "4" and ("pause", "keep", False) in core.calls
+    assert not any(c[0] == "workers" for c in core.calls)
 
 
 def test_the_info_says_it_can_and_other_calls_pass_through_untouched(wrapped):

@@ -17,8 +17,8 @@ project's plugin there too). A `STAGE_OP_FLIP` that carries `wire.vllm.LOOP_FLIP
     3. the workers' flip (`RefitGlooWeightTransferEngine._flip`), the call without the key;
     4. the answer: `LoopFlipDone` (the turn's and the workers' seconds).
 
-A failure at 2 or 3 sets the label back and pauses the scheduler (keep): nothing is served
-from weights that may be partly loaded; the shim takes the engine as BROKEN, paused, as after a
+Any failure in the turn sets the label back and pauses the scheduler (keep): nothing is
+served from weights that may be partly loaded; the shim takes the engine as BROKEN, paused, as after a
 failed load in a pause. `STAGE_OP_INFO` answers gain `flip_in_loop`, so a shim uses the key only
 on an engine whose loop takes it out (a worker would refuse the unknown keyword).
 
@@ -94,31 +94,32 @@ def _flip_in_loop(core: Any, original: Callable[..., Any], timeout: float | None
                   args: tuple, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
     kwargs = dict(kwargs)
     loop = LoopFlip.from_wire(str(kwargs.pop(LOOP_FLIP_KWARG)))
-    if kwargs.get("op") != STAGE_OP_FLIP:
-        raise ValueError(f"refit_grpc: a loop flip is a {STAGE_OP_FLIP!r}, got "
-                         f"{kwargs.get('op')!r}")
-    if not in_loop_possible(core):
-        raise RuntimeError("refit_grpc: this engine keeps a step in flight across turns of "
-                           "its loop (a batch queue); flip it in a pause")
-    t0 = time.perf_counter()
-    if loop.reset_caches:
-        # What /pause?clear_cache=true does inside its pause (EngineCore._reset_caches): the
-        # running requests are preempted and recompute their KV with the new weights.
-        if not core.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
-            raise RuntimeError("refit_grpc: vLLM could not reset its KV connector's cache; "
-                               "nothing was loaded")
-        if loop.multimodal:
-            core.reset_mm_cache()
-            core.reset_encoder_cache()
     label = core.get_weight_version()
-    core.set_weight_version(loop.weight_version)
-    t_load = time.perf_counter()
+    t0 = t_load = time.perf_counter()
     try:
+        if kwargs.get("op") != STAGE_OP_FLIP:
+            raise ValueError(f"refit_grpc: a loop flip is a {STAGE_OP_FLIP!r}, got "
+                             f"{kwargs.get('op')!r}")
+        if not in_loop_possible(core):
+            raise RuntimeError("refit_grpc: this engine keeps a step in flight across turns "
+                               "of its loop (a batch queue); flip it in a pause")
+        if loop.reset_caches:
+            # What /pause?clear_cache=true does inside its pause (EngineCore._reset_caches):
+            # the running requests are preempted and recompute their KV with the new weights.
+            if not core.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+                raise RuntimeError("refit_grpc: vLLM could not reset its KV connector's "
+                                   "cache; nothing was loaded")
+            if loop.multimodal:
+                core.reset_mm_cache()
+                core.reset_encoder_cache()
+        core.set_weight_version(loop.weight_version)
+        t_load = time.perf_counter()
         original(core, STAGE_RPC_METHOD, timeout, args, kwargs)
     except BaseException:
         core.set_weight_version(label)
-        # Nothing may be served from weights that may be partly loaded: paused, as a failed
-        # load in a pause leaves the engine, until the shim's full update.
+        # Every failed turn leaves the engine as a failed load in a pause does, paused until
+        # the shim's full update: nothing is served from weights that may be partly loaded,
+        # and the shim, which takes the engine as paused after any failed flip, is right.
         core.pause_scheduler(mode="keep", clear_cache=False)
         log.error("refit_grpc: a flip in one turn of the loop failed; the engine is paused")
         raise
