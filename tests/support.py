@@ -17,8 +17,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from refit_grpc import Fleet, PauseMode, WorkerEndpoint
-from refit_grpc.collective import Group, Sender, bind_master_store
 from refit_grpc.common import Deadline, GroupSpec
+from refit_grpc.dataplane.group import Group
+from refit_grpc.dataplane.rendezvous import bind_master_store
+from refit_grpc.dataplane.transfer import Sender
 from refit_grpc.driver.epoch import EpochHandle
 from refit_grpc.driver.links import TrainerLink
 from refit_grpc.plan import Packing, RefitPlan, weights_digest

@@ -30,7 +30,6 @@ from grpc_status import rpc_status
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from refit_grpc.collective import Sender
 from refit_grpc.common import (
     MAX_ENGINE_WORLD_SIZE,
     MAX_ID_BYTES,
@@ -41,6 +40,8 @@ from refit_grpc.common import (
     Deadline,
     digest_problem,
 )
+from refit_grpc.dataplane.staging import STAGED_CHECKSUM
+from refit_grpc.dataplane.transfer import Sender
 from refit_grpc.driver import WorkerEndpoint
 from refit_grpc.driver.failures import failure_from_status
 from refit_grpc.errors import ERROR_DOMAIN, RefitError
@@ -50,7 +51,6 @@ from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.fields import plan_from_request
 from refit_grpc.shim.server import ServerOptions, ShimServer
 from refit_grpc.shim.service import ShimConfig
-from refit_grpc.staging import STAGED_CHECKSUM
 from refit_grpc.testing.ports import unused_port
 
 from support import join, prepare_request, tensors_v

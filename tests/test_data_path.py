@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from refit_grpc import EpochFailedError, Fleet, Packing, PauseMode, RefitError
-from refit_grpc.collective import Group, Sender, bind_master_store, receive
 from refit_grpc.common import Deadline, GroupSpec
+from refit_grpc.dataplane.group import Group
+from refit_grpc.dataplane.rendezvous import bind_master_store
+from refit_grpc.dataplane.transfer import Sender, receive
 from refit_grpc.plan import RefitPlan, weights_digest
 from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
@@ -250,11 +252,11 @@ def test_a_closed_group_is_freed_without_a_full_collection_and_its_peer_fails_at
     the group. The peer's pending receive fails at once either way."""
     import gc as gc_module
 
-    from refit_grpc import collective
+    from refit_grpc.dataplane import reapers
 
     collected: list[tuple] = []
     real = gc_module.collect
-    monkeypatch.setattr(collective.gc, "collect",
+    monkeypatch.setattr(reapers.gc, "collect",
                         lambda *a: (collected.append(a), real(*a))[1])
     port, thread, box = join_trainer(2, "reap-test")
     engine = Group.join(GroupSpec("127.0.0.1", port, 2, 1, "gloo", "reap-test"), 20.0)
@@ -263,13 +265,13 @@ def test_a_closed_group_is_freed_without_a_full_collection_and_its_peer_fails_at
     pending = engine.broadcast_async(torch.empty(1 << 20, dtype=torch.uint8), Deadline(30))
     t0 = time.monotonic()
     trainer.close()
-    collective.join_reapers()
+    reapers.join_reapers()
     assert collected == [], "a group nothing else held went through a full collection"
     with pytest.raises(RefitError):
         pending.wait(Deadline(30), "the receive")
     assert time.monotonic() - t0 < 10
     held = engine._pg  # held elsewhere: only a collection can be sure to free it now
     engine.close()
-    collective.join_reapers()
+    reapers.join_reapers()
     assert collected, "a group held elsewhere was not collected"
     del held

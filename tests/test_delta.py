@@ -1,4 +1,4 @@
-"""Delta epochs (refit_grpc.delta): the codec's round trip, then real gRPC shims and real gloo
+"""Delta epochs (refit_grpc.dataplane.delta): the codec's round trip, then real gRPC shims and real gloo
 groups (reference engines in store mode): a delta epoch moves only what changed, leaves every
 engine byte-identical to a full epoch, and is sent only onto a committed copy whose version and
 digest are the trainer's base (docs/protocol.md, invariant 11)."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from refit_grpc import Checks, Fleet, Packing, Staged
-from refit_grpc.delta import _CHUNK_BLOCKS, Encoding, apply, encode
+from refit_grpc.dataplane.delta import _CHUNK_BLOCKS, Encoding, apply, encode
 from refit_grpc.driver.endpoint import WorkerEndpoint as Endpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.plan import RefitPlan, weights_digest
@@ -51,8 +51,8 @@ def test_a_bucket_compared_where_its_tensors_lie_encodes_as_its_packed_bytes(fra
     """encode_tensors (the sender's path, no pack for a sparse bucket) gives exactly what encode
     gives for the packed bucket: bf16, fp32 and a 1-element tensor, a bucket over _SPLIT_BYTES so
     a tensor straddles the two parts, changes at every tensor's edges; raw past the break-even."""
-    from refit_grpc.collective import pack_into
-    from refit_grpc.delta import encode_tensors
+    from refit_grpc.dataplane.delta import encode_tensors
+    from refit_grpc.dataplane.packing import pack_into
 
     g = torch.Generator().manual_seed(int(fraction * 1000))
     old = [torch.randn(n, generator=g).to(dtype) for n, dtype in

@@ -43,11 +43,11 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 from refit_grpc import Staged  # noqa: E402
 from refit_grpc.common import Deadline  # noqa: E402
+from refit_grpc.dataplane.staging import StagedDigest  # noqa: E402
 from refit_grpc.driver import Fleet, WorkerEndpoint  # noqa: E402
 from refit_grpc.integrations.dynamo import read_workers  # noqa: E402
 from refit_grpc.proto import pb, pb_grpc  # noqa: E402
 from refit_grpc.shim.process import ShimProcess, spawn_shim  # noqa: E402
-from refit_grpc.staging import StagedDigest  # noqa: E402
 from refit_grpc.testing.dynamo import (  # noqa: E402
     DynamoFrontend,
     DynamoWorker,

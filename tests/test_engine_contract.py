@@ -21,9 +21,12 @@ import pytest
 import torch
 
 from refit_grpc.canary import FP32_TOLERANCE, teacher_forced_logprobs
-from refit_grpc.collective import Group, Sender, bind_master_store
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
-from refit_grpc.delta import flat_copy, send_delta
+from refit_grpc.dataplane.delta import flat_copy, send_delta
+from refit_grpc.dataplane.group import Group
+from refit_grpc.dataplane.rendezvous import bind_master_store
+from refit_grpc.dataplane.staging import StagedDigest
+from refit_grpc.dataplane.transfer import Sender
 from refit_grpc.errors import EpochAbortedError, RefitError, RefitTimeoutError
 from refit_grpc.plan import Bucket, Packing, RefitPlan, weights_digest
 from refit_grpc.reasons import Reason
@@ -31,7 +34,6 @@ from refit_grpc.shim.engines.base import Engine
 from refit_grpc.shim.engines.dynamo import DynamoEngine
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.engines.vllm import VLLMEngine
-from refit_grpc.staging import StagedDigest
 
 from dynamo_support import require_dynamo
 from support import info, join_trainer

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from refit_grpc.collective import Group
 from refit_grpc.common import GroupSpec
+from refit_grpc.dataplane.group import Group
 from refit_grpc.errors import RefitTimeoutError
 
 
@@ -30,7 +30,7 @@ def test_an_abort_key_for_a_gone_trainer_gives_up_at_once_and_reaches_a_live_one
     """The shims' way to reach a vLLM/Dynamo worker blocked in a receive is a key in the
     trainer's TCPStore. With the trainer gone, torch's client alone would retry its connect for
     seconds and hold the abort up; `set_store_key` probes first."""
-    from refit_grpc.collective import bind_master_store, set_store_key
+    from refit_grpc.dataplane.rendezvous import bind_master_store, set_store_key
 
     t0 = time.monotonic()
     assert set_store_key("127.0.0.1", closed_port, "refit_grpc/g/abort/1", 2.0) is False
@@ -61,7 +61,7 @@ def test_rank_0_names_the_ranks_that_never_came_and_the_others_end_with_it():
     """Rank 0 waits for every rank to reach its store before the backend's own rendezvous:
     at its deadline it names the ranks that never came, and the ranks that did are told at once
     (RENDEZVOUS_FAILED), not left waiting for their own, later deadline inside gloo."""
-    from refit_grpc.collective import RendezvousTimeoutError, bind_master_store
+    from refit_grpc.dataplane.rendezvous import RendezvousTimeoutError, bind_master_store
 
     store = bind_master_store("127.0.0.1", 0, 4, 30)
     spec = lambda rank: GroupSpec("127.0.0.1", store.port, 4, rank, "gloo", "partial")  # noqa: E731
@@ -88,7 +88,7 @@ def test_a_cancel_ends_a_rank_waiting_inside_the_backends_rendezvous():
 
     import torch.distributed as dist
 
-    from refit_grpc.collective import bind_master_store
+    from refit_grpc.dataplane.rendezvous import bind_master_store
     from refit_grpc.errors import EpochAbortedError
 
     store = bind_master_store("127.0.0.1", 0, 3, 30)

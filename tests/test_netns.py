@@ -34,7 +34,7 @@ from refit_grpc import (
     Packing,
     WorkerEndpoint,
 )
-from refit_grpc.collective import Sender
+from refit_grpc.dataplane.transfer import Sender
 from refit_grpc.driver.links import GlooLink
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb

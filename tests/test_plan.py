@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refit_grpc.collective import as_tensor, pack_into, unpack
+from refit_grpc.dataplane.packing import as_tensor, pack_into, unpack
 from refit_grpc.errors import InvalidPlanError, PlanTooLargeError
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec, bucket_boundaries, weights_digest
 

@@ -13,8 +13,9 @@ import threading
 import pytest
 
 from refit_grpc import Fleet, Packing, WorkerEndpoint
-from refit_grpc.collective import Group, bind_master_store
 from refit_grpc.common import GroupSpec
+from refit_grpc.dataplane.group import Group
+from refit_grpc.dataplane.rendezvous import bind_master_store
 from refit_grpc.errors import CollectiveError, InvalidArgumentError
 from refit_grpc.plan import weights_digest
 from refit_grpc.proto import pb

@@ -122,8 +122,8 @@ class Trainer:
 
     def connect(self) -> dict:
         """The channel's init_collective first, then this rank's join under `group_id`."""
-        from refit_grpc.collective import Group
         from refit_grpc.common import GroupSpec
+        from refit_grpc.dataplane.group import Group
 
         ch = self.channel
         ch.prepare(info(tensors_v(1)))
@@ -147,7 +147,7 @@ class Trainer:
     def refit(self, version: int) -> dict:
         """NeMo RL's order as refit_grpc keeps its guarantee: update_weights() (returns once every
         worker ACCEPTED), broadcast, then ray.get the refs."""
-        from refit_grpc.collective import Sender
+        from refit_grpc.dataplane.transfer import Sender
 
         ch = self.channel
         t0 = time.monotonic()
@@ -175,7 +175,7 @@ class Trainer:
             (its deadline's cancel flag, set at the first worker failure), None if it did not
             within 10 s.
         """
-        from refit_grpc.collective import Sender
+        from refit_grpc.dataplane.transfer import Sender
         from refit_grpc.errors import RefitError
 
         killed_at: list[float] = []
@@ -227,8 +227,8 @@ class Policy:
     def init_collective(self, ip: str, port: int, world_size: int, *,
                         train_world_size: int) -> str:
         """Join as rank 0 under the derived name; blocks until every rank has joined."""
-        from refit_grpc.collective import Group
         from refit_grpc.common import GroupSpec
+        from refit_grpc.dataplane.group import Group
 
         if self.group is not None:
             self.group.close()  # a new formation replaces the old group
@@ -244,8 +244,8 @@ class Policy:
 
     def broadcast(self, version: int) -> dict:
         """NeMo RL's `broadcast_weights_for_collective()`: the project's Sender on the group."""
-        from refit_grpc.collective import Sender
         from refit_grpc.common import Deadline
+        from refit_grpc.dataplane.transfer import Sender
 
         stats = Sender(self.group, self.plan).send(tensors_v(version), Deadline(30))
         return {"bytes": stats.bytes, "buckets": stats.buckets, "digest": digest_v(version)}
@@ -488,8 +488,8 @@ def test_a_group_name_is_not_formed_again_while_a_join_of_it_runs(ray_cluster, s
     """A derived name comes back whenever ip, port, world and plan do: the channel refuses to form
     it again, before any call to a shim, while a join of its last formation still runs (a member
     of that formation could otherwise join the new one)."""
-    from refit_grpc.collective import Group
     from refit_grpc.common import GroupSpec
+    from refit_grpc.dataplane.group import Group
 
     shims = [shim_procs("--model", "none", "--instance-id", "w0")]
     with DynamoRefitChannel(endpoints(shims), engine_world_size=1, control_timeout_s=10,

@@ -1,5 +1,6 @@
-"""Engines of one process sharing one receiving rank (`refit_grpc.shared_rank`): a real gloo group
-(the trainer's rank 0 and the shared rank 1, on threads of this process), real receives."""
+"""Engines of one process sharing one receiving rank (`refit_grpc.dataplane.shared_rank`): a real
+gloo group (the trainer's rank 0 and the shared rank 1, on threads of this process), real
+receives."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import time
 import pytest
 import torch
 
-from refit_grpc.collective import Group, Sender, bind_master_store
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
+from refit_grpc.dataplane.group import Group
+from refit_grpc.dataplane.rendezvous import bind_master_store
+from refit_grpc.dataplane.shared_rank import SharedRank
+from refit_grpc.dataplane.transfer import Sender
 from refit_grpc.errors import CollectiveError, RefitError
 from refit_grpc.plan import Packing, RefitPlan, weights_digest
 from refit_grpc.reasons import Reason
-from refit_grpc.shared_rank import SharedRank
 from refit_grpc.shim.engines.reference import ReferenceEngine
 
 from support import info

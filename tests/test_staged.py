@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from refit_grpc.canary import teacher_forced_logprobs
-from refit_grpc.collective import Sender
 from refit_grpc.common import Deadline
+from refit_grpc.dataplane.staging import STAGED_CHECKSUM, StagedDigest, staged_digest
+from refit_grpc.dataplane.transfer import Sender
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
@@ -23,7 +24,6 @@ from refit_grpc.proto import pb
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.metrics import _StateCollector
 from refit_grpc.shim.service import ShimConfig
-from refit_grpc.staging import STAGED_CHECKSUM, StagedDigest, staged_digest
 
 from support import Epoch, InProcessShim, join, prepare_request, start_ready_shim, tensors_v
 

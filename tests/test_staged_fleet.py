@@ -179,7 +179,7 @@ def test_sigkill_mid_staging_never_pauses_a_survivor(shim_procs, min_engines):
 TRAINER = """
 import sys, time, torch
 from refit_grpc import Fleet, Packing, Staged, WorkerEndpoint
-from refit_grpc.staging import StagedDigest
+from refit_grpc.dataplane.staging import StagedDigest
 addresses = sys.argv[1:]
 w = {f"layer.{i}": torch.randn(256 * 1024) for i in range(8)}
 fleet = Fleet([WorkerEndpoint(f"w{i}", a) for i, a in enumerate(addresses)],

@@ -11,8 +11,8 @@ import grpc
 import pytest
 import torch
 
-from refit_grpc.collective import Sender
 from refit_grpc.common import Deadline
+from refit_grpc.dataplane.transfer import Sender
 from refit_grpc.driver.endpoint import WorkerEndpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.plan import Packing, RefitPlan
@@ -267,7 +267,7 @@ def test_failure_mid_epoch_breaks_and_flush_refuses_until_a_full_update(shim):
     # The trainer sends one bucket of version 2, then its group goes away.
     ep = Epoch(sh, 2, plan.digest)
     assert ep.accepted.wait(10)
-    from refit_grpc.collective import pack_into
+    from refit_grpc.dataplane.packing import pack_into
     first = plan.buckets[0]
     buf = torch.empty(first.nbytes, dtype=torch.uint8)
     pack_into(buf, [t2[s.name] for s in plan.tensors[first.start:first.stop]])

@@ -18,11 +18,11 @@ import torch
 
 from refit_grpc import Fleet, FleetError, Packing, Staged, WorkerEndpoint
 from refit_grpc.common import Deadline, PauseMode
+from refit_grpc.dataplane.shared_rank import SharedRank
 from refit_grpc.driver.failures import failure_from_rpc, failure_from_status
 from refit_grpc.errors import EngineUnavailableError
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.reasons import Reason
-from refit_grpc.shared_rank import SharedRank
 from refit_grpc.shim.engines.reference import ReferenceEngine
 from refit_grpc.shim.server import ServerOptions, ShimServer
 from refit_grpc.shim.service import ShimConfig

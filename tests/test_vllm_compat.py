@@ -20,8 +20,8 @@ from vllm.distributed.weight_transfer.packed_tensor import (  # noqa: E402
     unpack_tensor,
 )
 
-from refit_grpc.collective import as_tensor, pack_into, unpack  # noqa: E402
 from refit_grpc.common import GroupSpec  # noqa: E402
+from refit_grpc.dataplane.packing import as_tensor, pack_into, unpack  # noqa: E402
 from refit_grpc.plan import Packing, RefitPlan  # noqa: E402
 from refit_grpc.wire.vllm import init_info_for, update_info_for  # noqa: E402
 

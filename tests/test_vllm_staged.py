@@ -52,8 +52,10 @@ require_vllm()
 pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
 from refit_grpc import CatchUpError, Checks, Fleet, Staged, WorkerEndpoint  # noqa: E402
-from refit_grpc.collective import Group, Sender  # noqa: E402
 from refit_grpc.common import Deadline, GroupSpec, PauseMode  # noqa: E402
+from refit_grpc.dataplane.group import Group  # noqa: E402
+from refit_grpc.dataplane.staging import StagedDigest  # noqa: E402
+from refit_grpc.dataplane.transfer import Sender  # noqa: E402
 from refit_grpc.driver.endpoint import ChannelSecurity  # noqa: E402
 from refit_grpc.errors import RefitError  # noqa: E402
 from refit_grpc.integrations.hf import canary_from_model, checkpoint_state_dict  # noqa: E402
@@ -62,7 +64,6 @@ from refit_grpc.proto import pb, pb_grpc  # noqa: E402
 from refit_grpc.reasons import Reason  # noqa: E402
 from refit_grpc.shim.engines.vllm import VLLMEngine  # noqa: E402
 from refit_grpc.shim.process import ShimProcess, spawn_shim  # noqa: E402
-from refit_grpc.staging import StagedDigest  # noqa: E402
 from refit_grpc.testing.logprobs import SEQUENCE  # noqa: E402
 from refit_grpc.testing.netns import Hosts, netns_unavailable, tc_unavailable  # noqa: E402
 from refit_grpc.testing.vllm import (  # noqa: E402

@@ -3,7 +3,7 @@ processes (`refit-grpc shim --engines 40`, each process one receiving rank share
 engines), on real gRPC servers, real streams per engine and a real gloo group of 5 ranks.
 
 Each engine is its own RefitService with its own port, state, plan, weights and epoch stream; the
-engines of a process share its rank in the data group (`refit_grpc.shared_rank`). The fleet
+engines of a process share its rank in the data group (`refit_grpc.dataplane.shared_rank`). The fleet
 forms, commits in place and staged (and as deltas), is refused, aborts, forms again after a
 membership change, serves a catch-up and flips with a quorum when a whole process dies mid-staging.
 """

@@ -7,7 +7,7 @@ Before: 40 shims never formed and 16 failed a second formation: torch's store li
 each accepted peer with a reverse lookup that stalled its accept loop for the resolver's 5 s
 timeout now and then, the shims' store connects were capped at 3 s without retry, and the trainer
 waited out its whole join timeout naming every shim DEADLINE_EXCEEDED
-(`collective.bind_master_store`, `collective._connect_store`, `collective._await_arrivals`).
+(`dataplane.rendezvous.bind_master_store`, `_connect_store`, `_await_arrivals`).
 """
 
 from __future__ import annotations

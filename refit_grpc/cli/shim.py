@@ -52,7 +52,7 @@ def run_shim(args: argparse.Namespace) -> int:
         "url": args.engine_url, "model": args.model, "seed": args.seed})
         for _ in range(args.engines)]
     if args.engines > 1:
-        from refit_grpc.shared_rank import SharedRank
+        from refit_grpc.dataplane.shared_rank import SharedRank
 
         rank = SharedRank()
         try:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from refit_grpc.common import PauseMode
+from refit_grpc.dataplane.staging import STAGED_CHECKSUM
 from refit_grpc.driver.calls import ShimCalls
 from refit_grpc.driver.catch_up import CatchUps
 from refit_grpc.driver.checks import Checks
@@ -20,7 +21,6 @@ from refit_grpc.driver.membership import Membership, links, rank_bundles
 from refit_grpc.driver.options import Epoch, Staged
 from refit_grpc.plan import RefitPlan
 from refit_grpc.proto import EPOCH_MODE_TO_PROTO, PAUSE_MODE_TO_PROTO, pb
-from refit_grpc.staging import STAGED_CHECKSUM
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Epochs:
         # committed copies hold it; None after an in-place one (which ends the copies) and
         # while an epoch runs. What a catch-up serves.
         self.committed: tuple[int, str] | None = None
-        # The last staged epoch that flipped with delta=True (`refit_grpc.delta`).
+        # The last staged epoch that flipped with delta=True (`refit_grpc.dataplane.delta`).
         self.delta_base: DeltaBase | None = None
         self._open: list[EpochHandle] = []
         self._lock = threading.Lock()

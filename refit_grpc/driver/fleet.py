@@ -177,7 +177,7 @@ class Fleet:
     @property
     def group_id(self) -> str | None:
         """The data group's name (its store prefix): what a trainer rank joining on its own
-        needs (`collective.Group.join`); None before any formation, or after a failed epoch."""
+        needs (`dataplane.group.Group.join`); None before any formation, or after a failed epoch."""
         return self.formation.group_id
 
     def prepare(self, state_dict_info: Mapping[str, tuple[Sequence[int], Any]], *,
@@ -212,7 +212,7 @@ class Fleet:
         Args:
             ip: the trainer's rank 0 address, where its store listens.
             port: where that store listens, or will (shims retry within the join deadline;
-                bind first, `collective.bind_master_store(ip, 0, ...)`, to leave no window).
+                bind first, `dataplane.rendezvous.bind_master_store(ip, 0, ...)`, to leave no window).
             world_size: `train_world_size + inference_world_size`.
             train_world_size: the trainer's ranks (they come first).
             group_id: the group's name; by default a fresh random one, and a caller's own
@@ -363,7 +363,7 @@ class Fleet:
         """End a staged epoch opened with `update_weights(epoch=Staged(...))` (a trainer that
         broadcasts itself) as it was opened (its `min_engines`, `pause_mode`, `checks`): wait
         for its streams, then flip every engine that STAGED `staged_digest` (the trainer's,
-        `refit_grpc.staging`; None: the one most staged) when at least `min_engines` did. It
+        `refit_grpc.dataplane.staging`; None: the one most staged) when at least `min_engines` did. It
         cannot send again: the engines that failed are left behind.
 
         Args:

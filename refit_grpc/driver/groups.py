@@ -22,8 +22,9 @@ import grpc
 import torch
 from torch.distributed import TCPStore
 
-from refit_grpc.collective import Group, bind_master_store
 from refit_grpc.common import GroupSpec
+from refit_grpc.dataplane.group import Group
+from refit_grpc.dataplane.rendezvous import bind_master_store
 from refit_grpc.driver.calls import ShimCalls, WorkerLink
 from refit_grpc.driver.config import FleetConfig, FleetStateError
 from refit_grpc.driver.failures import FleetError, WorkerFailure, root_causes_first

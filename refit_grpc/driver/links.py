@@ -13,10 +13,11 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from refit_grpc.collective import Group, Sender, TransferStats
 from refit_grpc.common import Deadline
+from refit_grpc.dataplane.group import Group
+from refit_grpc.dataplane.staging import StagedDigest
+from refit_grpc.dataplane.transfer import Sender, TransferStats
 from refit_grpc.plan import Bucket, RefitPlan
-from refit_grpc.staging import StagedDigest
 
 
 @runtime_checkable
@@ -54,7 +55,7 @@ class TrainerLink(Protocol):
 
 @dataclass
 class GlooLink:
-    """The project's own group (`collective.Group`, gloo or NCCL through torch) and its Sender."""
+    """The project's own group (`dataplane.group.Group`, gloo or NCCL through torch) and its Sender."""
 
     group: Group
     plan: RefitPlan

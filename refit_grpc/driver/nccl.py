@@ -5,13 +5,13 @@ process group: each worker calls `StatelessProcessGroup.create(master_address, m
 world_size)` (a bare TCPStore, no prefix; rank 0 hosts it) and builds a `PyNcclCommunicator` on it,
 which takes the `ncclUniqueId` that rank 0 publishes under the store key `broadcast_from/0/0`, runs
 `ncclCommInitRank` and a one-element warm-up all_reduce. A `ProcessGroupNCCL` (what
-`refit_grpc.collective.Group` builds) cannot join that, so this module is the trainer's side of
+`refit_grpc.dataplane.group.Group` builds) cannot join that, so this module is the trainer's side of
 vLLM's rendezvous, done with vLLM's own classes (imported lazily: the trainer needs vLLM installed
 for this path only):
 
     rendezvous   StatelessProcessGroup.create(ip, port, rank=0, world_size) + PyNcclCommunicator
     wire         the plan's buckets (`RefitPlan.buckets`, vLLM's packing rule), packed by
-                 `collective.pack_into`, one ncclBroadcast from rank 0 per bucket, in plan order
+                 `dataplane.packing.pack_into`, one ncclBroadcast from rank 0 per bucket, in plan order
     worker side  /init_weight_transfer_engine with `wire.vllm.init_info_for(...)`: packed=true
                  and the plan's buffer size and count, so vLLM's consumer cuts the same buckets
 
@@ -37,8 +37,10 @@ from typing import Any
 
 import torch
 
-from refit_grpc.collective import TransferStats, pack_into
 from refit_grpc.common import Deadline
+from refit_grpc.dataplane.packing import pack_into
+from refit_grpc.dataplane.staging import StagedDigest
+from refit_grpc.dataplane.transfer import TransferStats
 from refit_grpc.errors import (
     CollectiveError,
     InvalidArgumentError,
@@ -47,7 +49,6 @@ from refit_grpc.errors import (
 )
 from refit_grpc.plan import Bucket, RefitPlan
 from refit_grpc.reasons import Reason
-from refit_grpc.staging import StagedDigest
 
 # The one key vLLM's PyNcclCommunicator exchanges through a StatelessProcessGroup: rank 0's
 # first broadcast_obj (the pickled ncclUniqueId). No prefix: the store is the group.

@@ -41,7 +41,7 @@ class Staged:
             default every member (checked against the members when the epoch runs).
         delta: send each bucket as what changed since the last staged epoch when every
             member's committed copy is that epoch's; otherwise a full epoch
-            (`refit_grpc.delta`).
+            (`refit_grpc.dataplane.delta`).
         reversible: every engine keeps its committed copy as the previous copy beside the
             new one, so the fleet can go back to the version before this epoch: at once when
             the epoch's checks fail after the flip (the error's `rollback` says what was

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
-from refit_grpc.collective import pack_into
 from refit_grpc.common import EpochMode, PauseMode
-from refit_grpc.delta import flat_copy, send_delta
+from refit_grpc.dataplane.delta import flat_copy, send_delta
+from refit_grpc.dataplane.packing import pack_into
+from refit_grpc.dataplane.staging import StagedDigest
 from refit_grpc.driver.checks import Checks
 from refit_grpc.driver.epoch import EpochHandle, ProgressCallback
 from refit_grpc.driver.epochs import DeltaBase, RoundParts
@@ -39,7 +40,6 @@ from refit_grpc.errors import InvalidArgumentError, RefitError
 from refit_grpc.plan import RefitPlan
 from refit_grpc.proto import PAUSE_MODE_TO_PROTO, pb
 from refit_grpc.reasons import Reason
-from refit_grpc.staging import StagedDigest
 
 log = logging.getLogger(__name__)
 

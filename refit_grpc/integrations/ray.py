@@ -147,7 +147,7 @@ def group_name(ip: str, port: int, world_size: int, *, train_world_size: int,
     """The name of the data group formed at `ip:port` (the prefix every rank's rendezvous keys
     live under in the trainer's store): a pure function of what a trainer rank and the channel
     both hold before either joins. A trainer rank joins with it
-    (`collective.Group.join(GroupSpec(ip, port, world_size, rank, "gloo", name), timeout)`)
+    (`dataplane.group.Group.join(GroupSpec(ip, port, world_size, rank, "gloo", name), timeout)`)
     before, during or after `RefitChannel.init_collective(ip, port, world_size, ...)`, which
     sends the shims the same name.
 
@@ -311,7 +311,7 @@ class RefitChannel:
                         train_world_size: int,
                         group_id: str | None = None) -> list[ray.ObjectRef]:
         """Ask every shim to join the data group. Not waited on: the rendezvous completes only
-        when the trainer ranks join too (gloo: `collective.Group.join` under
+        when the trainer ranks join too (gloo: `dataplane.group.Group.join` under
         `group_name(ip, port, world_size, train_world_size=..., plan_digest=...)`, before,
         during or after this call).
 
@@ -482,7 +482,7 @@ class RefitChannel:
 
         Returns:
             The deadline, cancelled by the epoch's first worker failure (so a
-            `collective.Sender` stops in seconds when a worker dies).
+            `dataplane.transfer.Sender` stops in seconds when a worker dies).
 
         Raises:
             RuntimeError: `update_weights()` has not been called.

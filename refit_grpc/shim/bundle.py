@@ -1,7 +1,7 @@
 """UpdateEngines and FlipEngines: one call for several engines of this shim process.
 
 A process that serves several engines (`refit-grpc shim --engines K`) receives the trainer's
-broadcast once, on the rank they share (`refit_grpc.shared_rank`); this is the same for their
+broadcast once, on the rank they share (`refit_grpc.dataplane.shared_rank`); this is the same for their
 control: the trainer opens one stream to the process instead of one per engine. At a thousand
 engines, one stream per engine per epoch was the floor of the trainer's control cost (a grpc.aio
 stream costs about 0.2 ms of its CPU; docs/scale.md).

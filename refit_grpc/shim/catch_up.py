@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from refit_grpc.collective import bind_master_store, set_store_key
 from refit_grpc.common import Deadline, GroupSpec
+from refit_grpc.dataplane.rendezvous import bind_master_store, set_store_key
 from refit_grpc.errors import CollectiveError, RefitError
 from refit_grpc.plan import Bucket, RefitPlan
 from refit_grpc.reasons import Reason

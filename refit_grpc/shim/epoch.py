@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 from refit_grpc.common import Deadline, PauseMode
+from refit_grpc.dataplane.staging import STAGED_CHECKSUM
 from refit_grpc.errors import FailedPreconditionError, InvalidArgumentError, RefitError
 from refit_grpc.plan import RefitPlan
 from refit_grpc.proto import pb
@@ -34,7 +35,6 @@ from refit_grpc.shim.fields import (
     pause_mode,
 )
 from refit_grpc.shim.receive import Epoch, EpochReceive, Received
-from refit_grpc.staging import STAGED_CHECKSUM
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 
 from refit_grpc.common import MAX_REASON_CHARS, Deadline, PauseMode
+from refit_grpc.dataplane.staging import STAGED_CHECKSUM
 from refit_grpc.errors import FailedPreconditionError
 from refit_grpc.proto import pb, pb_grpc
 from refit_grpc.reasons import Reason
@@ -44,7 +45,6 @@ from refit_grpc.shim.fields import (
     printable,
 )
 from refit_grpc.shim.status import status_on_error
-from refit_grpc.staging import STAGED_CHECKSUM
 
 log = logging.getLogger(__name__)
 

@@ -226,8 +226,9 @@ def _spawn(server: VLLMServer, cmd: list[str], env: dict[str, str]) -> None:
 
 def direct_group(system_url: str, plan, init_timeout_s: float = 20.0):
     """Form a gloo group with one worker by posting init_weights_update_group directly."""
-    from refit_grpc.collective import Group, bind_master_store
     from refit_grpc.common import GroupSpec
+    from refit_grpc.dataplane.group import Group
+    from refit_grpc.dataplane.rendezvous import bind_master_store
 
     store = bind_master_store("127.0.0.1", 0, 2, init_timeout_s)  # listening before it is used
     port = store.port
@@ -253,8 +254,8 @@ def direct_cycle(system_url: str, group, plan, tensors, version: int,
     HTTP way): pause(keep), update while broadcasting (Dynamo resets the prefix cache after
     it), set the version, then the flush: pause(wait), flush_cache, resume. Returns its wall
     time."""
-    from refit_grpc.collective import Sender
     from refit_grpc.common import Deadline
+    from refit_grpc.dataplane.transfer import Sender
 
     t0 = time.monotonic()
     _post(system_url, dynamo_info.PAUSE, {"mode": "keep", "clear_cache": True})

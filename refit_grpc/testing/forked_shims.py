@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from refit_grpc.shim.process import METRICS_PREFIX, READY_PREFIX, ShimProcess, die_with_parent
 
-_PRELOAD = ["refit_grpc.cli", "refit_grpc.collective", "refit_grpc.shim.server",
+_PRELOAD = ["refit_grpc.cli", "refit_grpc.dataplane.transfer", "refit_grpc.shim.server",
             "refit_grpc.shim.service", "refit_grpc.shim.engines.reference"]
 
 

@@ -2,7 +2,8 @@
 
 - A server of this project binds port 0 and reports the port it got: the shim
   (`--address 127.0.0.1:0`, its READY line; `--metrics-address 127.0.0.1:0`, its metrics line),
-  the trainer's rendezvous store (`Fleet.connect(ip)`, `collective.bind_master_store(ip, 0, ...)`).
+  the trainer's rendezvous store (`Fleet.connect(ip)`,
+  `dataplane.rendezvous.bind_master_store(ip, 0, ...)`).
 - An address where nothing answers: `unused_port()` holds a port bound but not listening, so
   a connect is refused and no other process can take the port while it is held.
 - `free_port()` is left for servers that cannot bind 0 and report (vLLM, Dynamo): the port is

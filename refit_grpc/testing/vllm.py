@@ -344,8 +344,8 @@ def direct_cycle(url: str, group, plan, tensors, version: int, timeout_s: float 
     ad-hoc HTTP way), the same eight routes: pause(keep) and clear the caches, start, update
     while broadcasting, finish(version), then the flush: pause(wait), clear the caches, resume
     (vLLM's level-0 sleep and wake-up, as the shim's `VLLMEngine`). Returns its wall time."""
-    from refit_grpc.collective import Sender
     from refit_grpc.common import Deadline
+    from refit_grpc.dataplane.transfer import Sender
     from refit_grpc.wire.vllm import update_info_for
 
     def post(path: str, body: Any = None) -> Any:
@@ -380,8 +380,9 @@ def direct_cycle(url: str, group, plan, tensors, version: int, timeout_s: float 
 
 def direct_group(url: str, plan):
     """Form a gloo group with the engine by posting /init_weight_transfer_engine directly."""
-    from refit_grpc.collective import Group, bind_master_store
     from refit_grpc.common import GroupSpec
+    from refit_grpc.dataplane.group import Group
+    from refit_grpc.dataplane.rendezvous import bind_master_store
     from refit_grpc.wire.vllm import init_info_for
 
     store = bind_master_store("127.0.0.1", 0, 2, 30.0)  # listening before vLLM is told where

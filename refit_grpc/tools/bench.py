@@ -34,8 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from refit_grpc.collective import Group, Sender, bind_master_store, receive
 from refit_grpc.common import Deadline, GroupSpec
+from refit_grpc.dataplane.group import Group
+from refit_grpc.dataplane.rendezvous import bind_master_store
+from refit_grpc.dataplane.transfer import Sender, receive
 from refit_grpc.driver.options import InPlace, Staged
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
 from refit_grpc.testing.harness import Run

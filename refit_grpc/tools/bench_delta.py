@@ -103,9 +103,9 @@ def cpu_breakdown(plan: RefitPlan, old: dict[str, torch.Tensor], new: dict[str, 
     that goes raw), base update and staged-digest checksum (as `send_delta` does them); one
     engine's apply and checksum. What bounds a delta epoch once the wire is not the
     bottleneck."""
-    from refit_grpc.collective import copy_bytes
-    from refit_grpc.delta import apply, encode_tensors, flat_copy
-    from refit_grpc.staging import bucket_checksum
+    from refit_grpc.dataplane.delta import apply, encode_tensors, flat_copy
+    from refit_grpc.dataplane.packing import copy_bytes
+    from refit_grpc.dataplane.staging import bucket_checksum
 
     base = flat_copy(plan, old)
     engine = base.clone()  # the engine's committed copy

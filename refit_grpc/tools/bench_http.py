@@ -17,8 +17,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from refit_grpc.collective import Group
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
+from refit_grpc.dataplane.group import Group
 from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.shim.engines.reference import ReferenceEngine
 

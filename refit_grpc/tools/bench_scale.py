@@ -7,7 +7,7 @@ Two series, each at the widths given:
 - **simulated** (labelled so in the output and the figure): shim processes of up to
   `engines_per_process` engines each (`refit-grpc shim --engines K`): every engine its own gRPC
   server and state, the engines of a process sharing its one receiving gloo rank
-  (`refit_grpc.shared_rank`) and one UpdateEngines stream per epoch, as a host with K engines
+  (`refit_grpc.dataplane.shared_rank`) and one UpdateEngines stream per epoch, as a host with K engines
   would run one shim. It reaches 1,000 engines on 2 cores; what it cannot show is K engines'
   own compute on separate GPUs.
 - **sim/engine**: the same simulated fleet, each width measured right after the simulated

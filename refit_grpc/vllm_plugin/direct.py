@@ -33,9 +33,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from refit_grpc.collective import as_tensor, unpack
+from refit_grpc.dataplane.packing import as_tensor, unpack
+from refit_grpc.dataplane.staging import StagingCopy
 from refit_grpc.plan import RefitPlan, TensorSpec
-from refit_grpc.staging import StagingCopy
 from refit_grpc.vllm_plugin.prepared import PREPARED_MODELS, PreparedLayers
 
 _NORM_MODULE = "vllm.model_executor.layers.layernorm"

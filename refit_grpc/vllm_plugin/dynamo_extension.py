@@ -47,8 +47,8 @@ is an ordinary `update_weights_from_path` whose update_info says `source: "stage
 The bodies are what the vLLM shim sends vLLM's own routes (`refit_grpc.wire.vllm.init_info_for`,
 `update_info_for`, parsed here as `GlooInitInfo` / `GlooUpdateInfo`), and the work is the
 project's gloo backend's: `layerwise.LayerwiseReceiver` (the group from
-`refit_grpc.collective.Group.join`, the packed buckets of `refit_grpc.plan`, the receive loop
-`refit_grpc.collective.receive`, vLLM's layerwise reload with rollback on failure,
+`refit_grpc.dataplane.group.Group.join`, the packed buckets of `refit_grpc.plan`, the receive loop
+`refit_grpc.dataplane.transfer.receive`, vLLM's layerwise reload with rollback on failure,
 a tied output projection re-processed after the reload, and the abort key in the trainer's
 TCPStore, polled during a receive). One update is one call here (Dynamo has no start and finish
 routes), so a failure ends with the rollback and the `refit_grpc[applied=A/B]` marker in the
@@ -63,7 +63,7 @@ GPU engines: this extension speaks gloo (CPU tensors). On GPUs, vLLM 0.31's own 
 Dynamo's (`engine_rpc` naming vLLM's weight-transfer methods); see docs/dynamo.md.
 
 Runs inside vLLM 0.31 in Dynamo's environment: imports only the project's pure layers (common,
-plan, collective and wire), never gRPC or the shim.
+plan, dataplane and wire), never gRPC or the shim.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ weight-transfer routes: /init_weight_transfer_engine, /start_weight_update, /upd
 /finish_weight_update, /shutdown_weight_transfer_engine).
 
 Everything the worker does is `layerwise.LayerwiseReceiver`'s, which the Dynamo worker extension
-(`dynamo_extension.py`) shares: the group (`refit_grpc.collective.Group.join`), the packed receive
-(`refit_grpc.collective.receive`), vLLM's layerwise reload with rollback on failure, the tied
+(`dynamo_extension.py`) shares: the group (`refit_grpc.dataplane.group.Group.join`), the packed receive
+(`refit_grpc.dataplane.transfer.receive`), vLLM's layerwise reload with rollback on failure, the tied
 output projection re-processed after a reload, and the abort key in the trainer's TCPStore. This
 module maps vLLM's four phases onto it:
 
@@ -42,7 +42,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from refit_grpc.collective import Group
+from refit_grpc.dataplane.group import Group
 from refit_grpc.plan import Packing
 from refit_grpc.vllm_plugin import adapters
 from refit_grpc.vllm_plugin.adapters import AdapterProblem

@@ -4,10 +4,10 @@ the Dynamo worker extension (`dynamo_extension.py`, vLLM 0.31 inside NVIDIA Dyna
 through `collective_rpc`). Neither imports the other; both hold a `LayerwiseReceiver`.
 
 The wire is the project's own, by construction rather than by a second implementation: the group is
-`refit_grpc.collective.Group.join` (TCPStore client at the trainer's rank 0, PrefixStore
+`refit_grpc.dataplane.group.Group.join` (TCPStore client at the trainer's rank 0, PrefixStore
 `refit_grpc/<group_id>`, ProcessGroupGloo on the interface that routes to the master), the buckets
 are `refit_grpc.plan.RefitPlan.buckets` (vLLM's packing rule) and the receive loop is
-`refit_grpc.collective.receive` (num_buffers receives posted ahead, every wait bounded by a
+`refit_grpc.dataplane.transfer.receive` (num_buffers receives posted ahead, every wait bounded by a
 deadline). The sender is therefore exactly `Fleet.refit`'s.
 
 Loading is vLLM's layerwise reload, as its own NCCL backend does: `initialize_layerwise_reload`
@@ -38,7 +38,7 @@ An update can be aborted from outside the worker: the shim sets the update's `ab
 trainer's TCPStore, which the receive polls (vLLM runs worker RPCs one at a time, so no other
 call can reach a worker blocked inside a receive).
 
-Imports only the project's pure layers (common, plan, collective, wire) and vLLM's model
+Imports only the project's pure layers (common, plan, dataplane, wire) and vLLM's model
 classes, which vLLM 0.31 and 0.32 share; vLLM's loader modules are imported where used.
 """
 
@@ -61,8 +61,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 
-from refit_grpc.collective import Group, receive, unpack
 from refit_grpc.common import Deadline, GroupSpec
+from refit_grpc.dataplane.group import Group
+from refit_grpc.dataplane.packing import unpack
+from refit_grpc.dataplane.transfer import receive
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
 from refit_grpc.vllm_plugin.direct import copy_direct, direct_targets
 from refit_grpc.vllm_plugin.faults import StaleScales

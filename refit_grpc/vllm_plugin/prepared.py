@@ -57,9 +57,9 @@ from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
 from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from refit_grpc.collective import as_tensor, unpack
+from refit_grpc.dataplane.packing import as_tensor, unpack
+from refit_grpc.dataplane.staging import StagingCopy
 from refit_grpc.plan import RefitPlan
-from refit_grpc.staging import StagingCopy
 
 log = logging.getLogger("vllm.refit_grpc")
 

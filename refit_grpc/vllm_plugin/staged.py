@@ -6,7 +6,7 @@ step. A receive inside an RPC would therefore stop generation for as long as the
 staged epoch instead starts the receive on a thread of its own (`StagedReceive.start`, one short
 RPC) and returns; the worker's main thread goes back to its engine loop, and the shim polls
 `status` (another short RPC) until every bucket has landed. The bytes land in a
-`refit_grpc.staging.StagingCopy` in plan layout (each bucket received in place, no bucket
+`refit_grpc.dataplane.staging.StagingCopy` in plan layout (each bucket received in place, no bucket
 buffers), each bucket's checksum is folded into the staged digest as it lands, and the live weights
 are not touched: loading the copy is the flip's job (`LayerwiseReceiver`, `source="staged"`).
 
@@ -15,7 +15,7 @@ flip is finished (`committed`) the copy equals the live weights at the flip's ve
 the engine's committed copy (one host copy, the same memory staging uses) until an in-place
 receive changes the live weights (`forget_committed`) or the next staged epoch overwrites it.
 Two things read it: a delta epoch (`start(..., delta=True)`: each bucket's delta is applied onto
-the committed copy, `refit_grpc.delta.receive_delta`, and the flip loads the result) and a
+the committed copy, `refit_grpc.dataplane.delta.receive_delta`, and the flip loads the result) and a
 catch-up (`serve`: the engine's rank-0 worker broadcasts the copy to a newcomer's group while
 the engine keeps serving; docs/protocol.md, Catch-up from a peer).
 
@@ -40,11 +40,12 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from refit_grpc.collective import Group, broadcast_buckets, receive
 from refit_grpc.common import Deadline
-from refit_grpc.delta import receive_delta
+from refit_grpc.dataplane.delta import receive_delta
+from refit_grpc.dataplane.group import Group
+from refit_grpc.dataplane.staging import StagedDigest, StagingCopy
+from refit_grpc.dataplane.transfer import broadcast_buckets, receive
 from refit_grpc.plan import Bucket, RefitPlan, TensorSpec
-from refit_grpc.staging import StagedDigest, StagingCopy
 from refit_grpc.wire.worker import (
     SERVE_DONE,
     SERVE_FAILED,

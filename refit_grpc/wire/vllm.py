@@ -250,7 +250,7 @@ class GlooUpdateInfo:
     source: str | None = None
     staged_digest: str | None = None
     # A staged receive (`STAGE_OP_START`) whose buckets come as deltas against the worker's
-    # committed copy (`refit_grpc.delta`).
+    # committed copy (`refit_grpc.dataplane.delta`).
     delta: bool | None = None
     # A flip: the version it commits; the copy it loaded stays as the committed copy.
     version: int | None = None

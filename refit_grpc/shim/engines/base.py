@@ -25,7 +25,7 @@ from refit_grpc.plan import Bucket, Packing, RefitPlan
 from refit_grpc.reasons import Reason
 
 if TYPE_CHECKING:
-    from refit_grpc.shared_rank import SharedRank
+    from refit_grpc.dataplane.shared_rank import SharedRank
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class Engine(ABC):
     @property
     def shared_rank(self) -> str:
         """The name of the data-group rank this engine shares with other engines of its shim
-        process (Describe's `shared_rank`; `refit_grpc.shared_rank`), "" when it receives
+        process (Describe's `shared_rank`; `refit_grpc.dataplane.shared_rank`), "" when it receives
         through ranks of its own (the default)."""
         return ""
 
@@ -355,7 +355,7 @@ class Engine(ABC):
     def stage(self, plan: RefitPlan, deadline: Deadline,
               on_bucket: Callable[[Bucket], None], delta: bool = False,
               keep_previous: bool = False) -> str:
-        """Receive every bucket of the epoch into the staging copy (`refit_grpc.staging`)
+        """Receive every bucket of the epoch into the staging copy (`refit_grpc.dataplane.staging`)
         while the engine keeps serving: it is never paused for this, and its live weights are
         not touched.
 
@@ -363,13 +363,13 @@ class Engine(ABC):
             plan: the stored plan.
             deadline: when every bucket must have landed, or the call must raise.
             on_bucket: runs after each bucket landed.
-            delta: the buckets come as deltas against the committed copy (`refit_grpc.delta`),
+            delta: the buckets come as deltas against the committed copy (`refit_grpc.dataplane.delta`),
                 which the shim checked is the trainer's base; only where `capabilities.delta`.
             keep_previous: the epoch is reversible: keep the committed copy (if any) as the
                 previous copy and stage beside it; only where `capabilities.rollback`.
 
         Returns:
-            The staged digest of what landed (`refit_grpc.staging.StagedDigest`).
+            The staged digest of what landed (`refit_grpc.dataplane.staging.StagedDigest`).
 
         Raises:
             RefitError: the receive failed; the staging copy is left invalid, the live weights
@@ -439,7 +439,7 @@ class Engine(ABC):
     def serve_copy(self, spec: GroupSpec, store: Any, deadline: Deadline,
                    on_bucket: Callable[[Bucket], None] | None = None) -> None:
         """Join `spec`'s group as its rank 0, hosting the rendezvous on `store` (a listening
-        `torch.distributed.TCPStore`, `collective.bind_master_store`), broadcast the committed
+        `torch.distributed.TCPStore`, `dataplane.rendezvous.bind_master_store`), broadcast the committed
         copy (`committed_copy`) bucket by bucket, and leave the group. The engine keeps
         serving; the shim guarantees nothing writes the copy meanwhile (no epoch runs).
 

@@ -480,7 +480,7 @@ class HttpEngine(Engine):
         """Set the receive's abort key in the trainer's TCPStore (the worker polls it): the only
         way to reach a worker blocked inside a receive (engines run worker RPCs one at a time).
         Best effort, bounded."""
-        from refit_grpc.collective import set_store_key  # torch, only when it is needed
+        from refit_grpc.dataplane.rendezvous import set_store_key  # torch, only when it is needed
 
         if set_store_key(group.master_address, group.master_port, key,
                          min(self.abort_grace_s, 2.0)):

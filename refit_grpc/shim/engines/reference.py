@@ -22,15 +22,13 @@ from typing import Any
 import torch
 
 from refit_grpc.canary import teacher_forced_logprobs
-from refit_grpc.collective import (
-    Group,
-    ReceivingGroup,
-    broadcast_buckets,
-    copy_bytes,
-    receive,
-)
 from refit_grpc.common import Deadline, GroupSpec, PauseMode
-from refit_grpc.delta import receive_delta
+from refit_grpc.dataplane.delta import receive_delta
+from refit_grpc.dataplane.group import Group, ReceivingGroup
+from refit_grpc.dataplane.packing import copy_bytes
+from refit_grpc.dataplane.shared_rank import SharedRank
+from refit_grpc.dataplane.staging import StagedDigest, StagingCopy
+from refit_grpc.dataplane.transfer import broadcast_buckets, receive
 from refit_grpc.errors import (
     CollectiveError,
     EpochAbortedError,
@@ -41,10 +39,8 @@ from refit_grpc.errors import (
 from refit_grpc.models.tiny_lm import TinyLM, TinyLMConfig
 from refit_grpc.plan import Bucket, Packing, RefitPlan, TensorSpec, weights_digest
 from refit_grpc.reasons import Reason
-from refit_grpc.shared_rank import SharedRank
 from refit_grpc.shim.engines.base import Capabilities, Engine, EngineStatus
 from refit_grpc.shim.engines.options import EngineKind, EngineOptions
-from refit_grpc.staging import StagedDigest, StagingCopy
 from refit_grpc.wire.worker import NO_QUANTIZATION
 
 log = logging.getLogger(__name__)

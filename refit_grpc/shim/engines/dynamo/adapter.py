@@ -260,7 +260,7 @@ class DynamoEngine(HttpEngine):
             RefitError: the call failed, typed as Dynamo answered it; or no store could be
                 hosted here (COLLECTIVE_FAILED, ENGINE_ERROR).
         """
-        from refit_grpc.collective import bind_master_store
+        from refit_grpc.dataplane.rendezvous import bind_master_store
 
         local = _local_address_towards(urllib.parse.urlsplit(self.url).hostname or "127.0.0.1")
         key = f"refit_grpc/{what}/{uuid.uuid4().hex}"

@@ -8,7 +8,7 @@ once, and every engine of the process takes its bytes from that one receive:
 - the first engine of the process to join a group (by its `group_id` and rank) joins it for
   real; the others attach to the same rank and wait for that join (`SharedRank.join`);
 - each engine receives through its own `SharedRankMember`, which offers what the receive paths
-  use of a `collective.Group` (`broadcast_async`, `receive_buffers`, `closed`, `close`, `spec`,
+  use of a `group.Group` (`broadcast_async`, `receive_buffers`, `closed`, `close`, `spec`,
   `device`). Every engine posts the same collectives in the same order (the same plan, the same
   epoch), so the n-th collective of one engine is the n-th of every other: the first engine to
   post it posts the real one, into a buffer of the rank's own; each engine's wait waits for it
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refit_grpc.collective import Group, PendingReceive
 from refit_grpc.common import CANCEL_POLL_S, Deadline, GroupSpec
+from refit_grpc.dataplane.group import Group, PendingReceive
 from refit_grpc.errors import (
     CollectiveError,
     EpochAbortedError,

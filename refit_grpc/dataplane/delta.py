@@ -11,9 +11,10 @@ bucket of an odd number of bytes goes raw.
 On the wire a bucket is two broadcasts: a header (`HEADER_WORDS` int64: the encoding and the
 payload's bytes), then the payload. The sender keeps the last version it sent, in plan layout
 (its one extra copy of the weights), the receiver applies the bucket onto its committed copy
-(`refit_grpc.staging.StagingCopy`): a delta is only ever applied onto a copy whose staged digest
-equals the trainer's base (the shim checks it before ACCEPTED), and the staged digest of the
-result is computed over the whole bucket as in a full epoch, so it equals a full epoch's.
+(`refit_grpc.dataplane.staging.StagingCopy`): a delta is only ever applied onto a copy whose
+staged digest equals the trainer's base (the shim checks it before ACCEPTED), and the staged
+digest of the result is computed over the whole bucket as in a full epoch, so it equals a full
+epoch's.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def encode_tensors(tensors: Sequence[torch.Tensor], base: torch.Tensor, packed: 
     Returns:
         (encoding, payload (a view of `scratch`, or of `packed` when raw), changed words).
     """
-    from refit_grpc.collective import pack_into
+    from refit_grpc.dataplane.packing import pack_into
 
     views = _in_place_views(tensors)
     n = base.numel()
@@ -317,7 +318,7 @@ def send_delta(group, plan: RefitPlan, tensors: Mapping[str, torch.Tensor], base
     sender does).
 
     Args:
-        group: the data group (`collective.Group`), rank 0.
+        group: the data group (`group.Group`), rank 0.
         plan: the plan.
         tensors: the new weights.
         base: the last version sent, the plan's bytes back to back; updated in place.
@@ -446,7 +447,7 @@ def flat_copy(plan: RefitPlan, tensors: Mapping[str, torch.Tensor],
               out: torch.Tensor | None = None) -> torch.Tensor:
     """The plan's bytes back to back (the sender's base after a full epoch), into `out` (a
     spent base: the same memory again, not a fresh mapping, `_SendBuffers`) when it fits."""
-    from refit_grpc.collective import pack_into
+    from refit_grpc.dataplane.packing import pack_into
 
     if out is None or out.numel() != plan.total_bytes or out.dtype != torch.uint8:
         out = torch.empty(plan.total_bytes, dtype=torch.uint8)
