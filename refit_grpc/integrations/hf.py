@@ -24,16 +24,12 @@ the sender packs them like any tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from refit_grpc.canary import Canary, default_tolerance, teacher_forced_logprobs
-
-# Names of fused expert tensors as transformers >= 5 holds them in memory (no `.weight`).
-FUSED_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_proj",
-                         ".experts.up_proj")
 
 
 def checkpoint_state_dict(model: Any, state_dict: Mapping[str, torch.Tensor] | None = None
@@ -84,18 +80,3 @@ def canary_from_model(model: Any, token_ids: Sequence[int],
     return Canary(tuple(token_ids), tuple(teacher_forced_logprobs(logits, token_ids)),
                   default_tolerance(dtype) if tolerance is None else tolerance)
 
-
-def fused_expert_hint(names: Iterable[str]) -> str:
-    """What to tell a trainer whose plan has names the engine cannot load.
-
-    Args:
-        names: the tensor names the engine refused.
-
-    Returns:
-        A hint to send `checkpoint_state_dict(model)` when one of `names` is a fused expert
-        tensor as transformers >= 5 holds it in memory; "" otherwise.
-    """
-    if any(name.endswith(FUSED_EXPERT_SUFFIXES) for name in names):
-        return ("; these are transformers' in-memory names (experts fused): send the "
-                "checkpoint's names with refit_grpc.integrations.hf.checkpoint_state_dict(model)")
-    return ""

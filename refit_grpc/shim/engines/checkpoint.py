@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from refit_grpc.errors import InvalidPlanError
-from refit_grpc.integrations.hf import fused_expert_hint
 from refit_grpc.plan import RefitPlan
 from refit_grpc.reasons import Reason
 
@@ -37,6 +37,10 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 # The stored dtypes of weights as trained (not pre-quantized): any floating tensor casts into them.
 _TRAINED = frozenset({"F64", "F32", "F16", "BF16"})
+# Names of fused expert tensors as transformers >= 5 holds them in memory (no `.weight`): a
+# plan naming them gets a hint to send the checkpoint's names (`fused_expert_hint`).
+FUSED_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_proj",
+                         ".experts.up_proj")
 
 
 @dataclass(frozen=True)
@@ -172,3 +176,19 @@ def safetensors_header(path: Path) -> dict:
 def _shapes(header: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(int(d) for d in meta["shape"])
             for name, meta in header.items() if name != "__metadata__"}
+
+
+def fused_expert_hint(names: Iterable[str]) -> str:
+    """What to tell a trainer whose plan has names the engine cannot load.
+
+    Args:
+        names: the tensor names the engine refused.
+
+    Returns:
+        A hint to send `checkpoint_state_dict(model)` when one of `names` is a fused expert
+        tensor as transformers >= 5 holds it in memory; "" otherwise.
+    """
+    if any(name.endswith(FUSED_EXPERT_SUFFIXES) for name in names):
+        return ("; these are transformers' in-memory names (experts fused): send the "
+                "checkpoint's names with refit_grpc.integrations.hf.checkpoint_state_dict(model)")
+    return ""
