@@ -154,7 +154,7 @@ def test_watch_follows_the_workers_file_and_shows_a_catch_up(shim_procs, tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    from refit_grpc.cli.fleet import StatusRow, render_status
+    from refit_grpc.driver.status import StatusRow, render_status
 
     table = render_status([
         StatusRow("x", "h:1", True, "CATCHING_UP", 0, catching_up_from="p0",

@@ -26,7 +26,7 @@ from refit_grpc import (
     Staged,
     WorkerEndpoint,
 )
-from refit_grpc.cli.fleet import render_status, status_rows
+from refit_grpc.driver.status import render_status, status_rows
 from refit_grpc.errors import InternalError
 from refit_grpc.proto import pb
 from refit_grpc.reasons import Reason

@@ -14,7 +14,8 @@ another class's private names):
   (`checks.Checks`: verify, canary).
 - `rollback.Rollbacks`: rollbacks to the previous copy (after a failed check, `Fleet.rollback()`).
 - `catch_up.CatchUps`: catch-ups from a peer; `plans`: Prepare; `reports`: what an epoch
-  reports; `failures`: what went wrong; `links` / `nccl`: the trainer's end of the group.
+  reports; `failures`: what went wrong; `links` / `nccl`: the trainer's end of the group;
+  `status`: the operator's view of a fleet (`refit-grpc fleet status`), over `failures`.
 - `options`: what an epoch is (`InPlace`, `Staged`); `config`: `FleetConfig` and the derived
   `FleetState`; `endpoint`: `WorkerEndpoint`, `ChannelSecurity`.
 

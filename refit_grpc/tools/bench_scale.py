@@ -393,8 +393,8 @@ def _secs(value: float | None) -> str:
 def _operator_calls(shims: list) -> str:
     """What an operator's look at the whole fleet costs: `refit-grpc fleet status` (its rows)
     and `describe()` of every engine, timed once each."""
-    from refit_grpc.cli.fleet import render_status, status_rows
     from refit_grpc.driver import Fleet, WorkerEndpoint
+    from refit_grpc.driver.status import render_status, status_rows
 
     with Fleet([WorkerEndpoint(s.instance_id, s.address) for s in shims],
                control_timeout_s=60) as fleet:
