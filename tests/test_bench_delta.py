@@ -8,8 +8,9 @@ import argparse
 
 import pytest
 
-from refit_grpc.cli import link_gbit, main
+from refit_grpc.cli import main
 from refit_grpc.testing.netns import tbf_args
+from refit_grpc.tools.bench_delta import link_gbit
 
 
 @pytest.mark.parametrize("text, rate", [("1", 1.0), ("0.25", 0.25), ("10", 10.0), ("1e-1", 0.1)])

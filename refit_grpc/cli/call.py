@@ -1,15 +1,18 @@
 """`refit-grpc call`: drive a shim by hand with grpcurl's JSON mapping (protobuf JSON), for
 operators on hosts without grpcurl. Strict parsing: malformed JSON and unknown fields are refused
-client-side with a message naming the problem, before anything is sent."""
+client-side with a message naming the problem, before anything is sent. Also `refit-grpc health`:
+grpc.health.v1's Check of one shim."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
 import grpc
 from google.protobuf import json_format
 
+from refit_grpc.cli.security import add_security_flags, security_from_args
 from refit_grpc.driver.endpoint import ChannelSecurity, WorkerEndpoint
 from refit_grpc.driver.failures import failure_from_rpc
 from refit_grpc.proto import pb, pb_grpc
@@ -62,3 +65,29 @@ def health(address: str, *, security: ChannelSecurity, timeout_s: float, out=sys
     print(name, file=out)
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
+
+def add_call_arguments(rpc: argparse.ArgumentParser) -> None:
+    """The arguments of `refit-grpc call`."""
+    rpc.add_argument("address")
+    rpc.add_argument("method", help="Describe, Prepare, InitCollective, UpdateWeights, ...")
+    rpc.add_argument("json", nargs="?", default="{}")
+    rpc.add_argument("--timeout-s", type=float, default=30.0)
+    add_security_flags(rpc)
+
+
+def run_call(args: argparse.Namespace) -> int:
+    """`refit-grpc call`."""
+    return call(args.address, args.method, args.json, security=security_from_args(args),
+                timeout_s=args.timeout_s)
+
+
+def add_health_arguments(check: argparse.ArgumentParser) -> None:
+    """The arguments of `refit-grpc health`."""
+    check.add_argument("address")
+    check.add_argument("--timeout-s", type=float, default=2.0)
+    add_security_flags(check)
+
+
+def run_health(args: argparse.Namespace) -> int:
+    """`refit-grpc health`."""
+    return health(args.address, security=security_from_args(args), timeout_s=args.timeout_s)

@@ -40,7 +40,8 @@ class UsageError(ValueError):
     pass
 
 
-def add_fleet_parser(sub, func) -> None:
+def add_arguments(fleet: argparse.ArgumentParser) -> None:
+    """The verbs of `refit-grpc fleet` and their flags."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--worker", action="append", default=[], metavar="INSTANCE_ID=ADDRESS",
                         help="a shim (repeatable)")
@@ -50,8 +51,6 @@ def add_fleet_parser(sub, func) -> None:
     common.add_argument("--json", action="store_true", help="one JSON document per round")
     add_security_flags(common)
 
-    fleet = sub.add_parser("fleet", help="status, flush or abort a list of shims "
-                                         "(token from REFIT_GRPC_TOKEN)")
     verbs = fleet.add_subparsers(dest="verb", required=True)
     status = verbs.add_parser("status", parents=[common],
                               help="one row per shim: state, version, plan, group, health, error")
@@ -69,8 +68,11 @@ def add_fleet_parser(sub, func) -> None:
                                      "(its previous copy), resumed together")
     rollback.add_argument("--mode", choices=["keep", "wait", "abort"], default="keep",
                           help="how in-flight requests are paused (default keep)")
-    for p in (status, flush, abort, rollback):
-        p.set_defaults(func=func)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`refit-grpc fleet VERB`."""
+    return run_fleet_command(args)
 
 
 def parse_workers(flags: list[str], workers_file: str | None) -> list[tuple[str, str]]:
@@ -261,4 +263,4 @@ def _emit(rows, render, as_json: bool, out, extra: dict | None = None) -> int:
     return 0 if ok else 1
 
 
-__all__ = ["add_fleet_parser", "parse_workers", "run_fleet_command"]
+__all__ = ["add_arguments", "parse_workers", "run", "run_fleet_command"]

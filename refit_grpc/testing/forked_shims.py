@@ -2,8 +2,8 @@
 that need many short-lived shims (each one killed): a fresh interpreter spends 2-3 s importing
 torch on a 2-core host, a fork milliseconds.
 
-Each shim is its own process running `refit-grpc shim`'s entry point (`cli.main`), with its own
-gRPC server and gloo sockets, killed by real signals; only its start differs from
+Each shim is its own process running `refit-grpc shim`'s entry point (`shim.command.main`),
+with its own gRPC server and gloo sockets, killed by real signals; only its start differs from
 `shim.process.spawn_shim`. The fork server is multiprocessing's: it forks from a single thread
 that has never started gRPC, and it exits with the process that started it (so do its shims:
 each asks the kernel for SIGTERM when its parent, the fork server, goes).
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from refit_grpc.shim.process import METRICS_PREFIX, READY_PREFIX, ShimProcess, die_with_parent
 
-_PRELOAD = ["refit_grpc.cli", "refit_grpc.dataplane.transfer", "refit_grpc.shim.server",
+_PRELOAD = ["refit_grpc.shim.command", "refit_grpc.dataplane.transfer", "refit_grpc.shim.server",
             "refit_grpc.shim.service", "refit_grpc.shim.engines.reference"]
 
 
@@ -45,9 +45,9 @@ class _Lines(io.TextIOBase):
 def _run_shim(argv: list[str], conn: multiprocessing.connection.Connection) -> None:
     die_with_parent(os.getppid())  # the fork server, which ends with the process that started it
     sys.stdout = _Lines(conn)
-    from refit_grpc.cli import main
+    from refit_grpc.shim.command import main
 
-    sys.exit(main(argv))
+    sys.exit(main(argv[1:]))  # argv[0] is the command's name, "shim"
 
 
 class _PopenOf:

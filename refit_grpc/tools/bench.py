@@ -21,6 +21,7 @@ every receiver is sampled during each epoch.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import statistics
@@ -41,7 +42,7 @@ from refit_grpc.dataplane.transfer import Sender, receive
 from refit_grpc.driver.options import InPlace, Staged
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
 from refit_grpc.testing.harness import Run
-from refit_grpc.tools.bench_memory import PROCESS_BASE_BYTES, Need, Peaks, gb
+from refit_grpc.tools.bench_memory import PROCESS_BASE_BYTES, Need, Peaks, fit, gb
 
 ARMS = ("floor", "floor-buckets", "per-tensor", "raw", "refit_grpc", "staged", "http")
 # The arms without a control plane: the trainer and bare receiver processes, one group each.
@@ -612,3 +613,48 @@ def _report(times: dict[str, list[float]], memory: dict[str, list[tuple[int, int
         f"largest bucket is {max(b.nbytes for b in plan.buckets) / 1e6:.1f} MB")
     say("kept from the warm-up epochs (buffers allocated once), sender / worst receiver: " + ", ".join(
         f"{arm} {s / 1e6:.1f} / {r / 1e6:.1f} MB" for arm, (s, r) in first.items()))
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    """The flags of `refit-grpc bench`."""
+    bench.add_argument("--world", type=int, action="append",
+                       help="trainer + receivers (repeatable; default 2)")
+    bench.add_argument("--total-mb", type=float, default=None,
+                       help="the plan's size (default 1024, halved until it fits in memory)")
+    bench.add_argument("--equal", action="store_true",
+                       help="equal-size tensors (--tensors of them) instead of the realistic "
+                            "decoder layer mix")
+    bench.add_argument("--tensors", type=int, default=1000)
+    bench.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
+    bench.add_argument("--num-buffers", type=int, default=2)
+    bench.add_argument("--reps", type=int, default=3)
+    bench.add_argument("--flat-trainer", action="store_true",
+                       help="the trainer holds its weights as views into one buffer in plan "
+                            "order (Megatron-style), which refit_grpc sends without packing")
+    bench.add_argument("--arms", default="", help="comma-separated subset of floor,"
+                                                  "floor-buckets,per-tensor,raw,refit_grpc,"
+                                                  "staged,http")
+    bench.add_argument("--quick", action="store_true",
+                       help="a 16 MB plan (unless --total-mb), 1 MiB buckets, one rep: that it "
+                            "runs, in seconds; its times mean nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`refit-grpc bench`: each world in turn, its plan fitted to the host's memory first."""
+    if not args.world:
+        args.world = [2]
+    arms = [a for a in ARMS if a in args.arms.split(",")] if args.arms else list(ARMS)
+    if args.quick:  # a small plan and one rep: that the bench runs, in seconds (CI)
+        args.total_mb = args.total_mb or 16
+        args.tensors, args.buffer_size_bytes, args.reps = min(args.tensors, 64), 1 << 20, 1
+    for world in args.world:
+        workload = ({"kind": "equal", "total_mb": 0.0, "tensors": args.tensors}
+                    if args.equal else {"kind": "realistic", "total_mb": 0.0})
+        need = workload_need(workload, world - 1, args.buffer_size_bytes, args.num_buffers, arms)
+        total_mb = fit(need, args.total_mb, f"bench, world {world}")
+        if total_mb is None:
+            return 2
+        run_bench(workers=world - 1, workload={**workload, "total_mb": total_mb},
+                  buffer_size_bytes=args.buffer_size_bytes, num_buffers=args.num_buffers,
+                  reps=args.reps, arms=arms, flat_trainer=args.flat_trainer)
+    return 0

@@ -15,6 +15,7 @@ that wait plus the epoch, against the epoch alone.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -26,7 +27,7 @@ from refit_grpc.plan import Packing, RefitPlan
 from refit_grpc.testing.harness import Run
 from refit_grpc.tools.bench import materialize
 from refit_grpc.tools.bench_delta import bf16_specs, perturbed
-from refit_grpc.tools.bench_memory import PROCESS_BASE_BYTES, Need
+from refit_grpc.tools.bench_memory import PROCESS_BASE_BYTES, Need, add_plan_arguments, fit
 
 
 def catch_up_need(total_mb: float, peers: int, buffer_size_bytes: int) -> Need:
@@ -126,3 +127,22 @@ def run_bench_catch_up(peers: int = 2, total_mb: float = 1024, reps: int = 3,
 
 
 __all__ = ["catch_up_need", "run_bench_catch_up"]
+
+
+def add_arguments(catch_up: argparse.ArgumentParser) -> None:
+    """The flags of `refit-grpc bench-catch-up`."""
+    add_plan_arguments(catch_up, reps="joins of each way", quick="one rep")
+    catch_up.add_argument("--peers", type=int, default=2, help="members holding the version")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`refit-grpc bench-catch-up`: its plan fitted to the host's memory first."""
+    if args.quick:
+        args.total_mb, args.reps, args.buffer_size_bytes = args.total_mb or 8, 1, 1 << 20
+    total_mb = fit(lambda mb: catch_up_need(mb, args.peers, args.buffer_size_bytes),
+                   args.total_mb, f"bench-catch-up, {args.peers} peers")
+    if total_mb is None:
+        return 2
+    run_bench_catch_up(peers=args.peers, total_mb=total_mb, reps=args.reps,
+                       buffer_size_bytes=args.buffer_size_bytes)
+    return 0

@@ -17,6 +17,7 @@ namespace, its gloo master on the bridge.
 
 from __future__ import annotations
 
+import argparse
 import os
 import resource
 import secrets
@@ -34,7 +35,7 @@ from refit_grpc.driver.options import Staged
 from refit_grpc.plan import Packing, RefitPlan, TensorSpec
 from refit_grpc.testing.harness import Run
 from refit_grpc.tools.bench import materialize, realistic_specs
-from refit_grpc.tools.bench_memory import PROCESS_BASE_BYTES, Need
+from refit_grpc.tools.bench_memory import PROCESS_BASE_BYTES, Need, add_plan_arguments, fit
 
 FRACTIONS = (0.001, 0.01, 0.1, 1.0)
 
@@ -270,3 +271,43 @@ def _netns_shims(stack: ExitStack, workers: int, link_gbit: float, buffer_size_b
 
 
 __all__ = ["delta_need", "run_bench_delta", "sgd_step_fraction"]
+
+
+def link_gbit(text: str) -> float:
+    """`--link-gbit`: a link's rate in Gbit/s, positive and finite."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < rate < float("inf"):
+        raise argparse.ArgumentTypeError(f"a link's rate must be positive and finite: {text!r}")
+    return rate
+
+
+def add_arguments(delta: argparse.ArgumentParser) -> None:
+    """The flags of `refit-grpc bench-delta`."""
+    add_plan_arguments(delta, reps="epochs per fraction and mode", quick="one rep of 1%% changed")
+    delta.add_argument("--world", type=int, default=2, help="trainer + receivers, per fleet")
+    delta.add_argument("--fractions", default="0.001,0.01,0.1,1",
+                       help="fractions of the elements each version changes")
+    delta.add_argument("--lr", type=float, default=1e-6,
+                       help="the SGD step whose changed fraction is measured (and added)")
+    delta.add_argument("--link-gbit", type=link_gbit, default=None, metavar="RATE",
+                       help="each engine in its own network namespace behind a link limited to "
+                            "RATE Gbit/s each way (tc; needs root); default: loopback")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`refit-grpc bench-delta`: its plan fitted to the host's memory first."""
+    if args.quick:
+        args.total_mb, args.reps, args.fractions = args.total_mb or 8, 1, "0.01"
+        args.buffer_size_bytes = 1 << 20
+    total_mb = fit(lambda mb: delta_need(mb, args.world - 1, args.buffer_size_bytes),
+                   args.total_mb, f"bench-delta, world {args.world}")
+    if total_mb is None:
+        return 2
+    run_bench_delta(workers=args.world - 1, total_mb=total_mb, reps=args.reps,
+                    fractions=[float(f) for f in args.fractions.split(",")],
+                    buffer_size_bytes=args.buffer_size_bytes, lr=args.lr,
+                    link_gbit=args.link_gbit)
+    return 0

@@ -17,6 +17,7 @@ boots and mean nothing, as its one epoch of each kind already does.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -217,3 +218,25 @@ def _quantized(run: Run, servers: _Servers, epochs: int, buffer_size_bytes: int)
         f"  staged flip load:  bf16 {_ms(bf_st[2]):7.0f} ms   {FP8_DENSE} {_ms(q_st[2]):7.0f} ms"
         f"   ({_ms(q_st[2]) / _ms(bf_st[2]):.2f}x)",
     ]
+
+
+def add_arguments(lq: argparse.ArgumentParser) -> None:
+    """The flags of `refit-grpc bench-lora-quant`."""
+    lq.add_argument("--epochs", type=int, default=5,
+                    help="epochs of each kind counted, after a warm-up of each")
+    lq.add_argument("--hidden", type=int, default=512, help="the Llama's width")
+    lq.add_argument("--layers", type=int, default=6, help="the Llama's layers")
+    lq.add_argument("--buffer-size-bytes", type=int, default=4 << 20)
+    lq.add_argument("--quick", action="store_true",
+                    help="a 2-layer Llama of width 128, one epoch of each kind counted: that it "
+                         "runs (vLLM's starts are most of it)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`refit-grpc bench-lora-quant`."""
+    if args.quick:  # a 2-layer Llama of width 128, one epoch of each kind counted, the servers
+        # booted together
+        args.epochs, args.hidden, args.layers, args.buffer_size_bytes = 1, 128, 2, 1 << 20
+    return run_bench_lora_quant(epochs=args.epochs, hidden=args.hidden, layers=args.layers,
+                                buffer_size_bytes=args.buffer_size_bytes,
+                                boot_together=args.quick)

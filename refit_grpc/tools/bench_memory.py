@@ -9,6 +9,8 @@ does), a plan the user asked for is refused. After a run, each process's own hig
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,6 +99,28 @@ def fit_total_mb(need_for: Callable[[float], Need], total_mb: float | None, defa
             return size
     raise DoesNotFit(f"{line}: not even {SMALLEST_MB:g} MB fits ({gb(need.peak)}); free memory "
                      "or run fewer receivers.")
+
+
+def fit(need: Callable[[float], Need], total_mb: float | None, what: str) -> float | None:
+    """`fit_total_mb` with a 1024 MB default, for a bench's command line; None (said on stderr)
+    where nothing fits."""
+    try:
+        return fit_total_mb(need, total_mb, 1024, what)
+    except DoesNotFit as e:
+        print(f"refit-grpc {what.split(',')[0]}: {e}", file=sys.stderr)
+        return None
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser, reps: str, quick: str) -> None:
+    """The flags of a bench on a bf16 plan (`bench-delta`, `bench-catch-up`): the plan's size,
+    reps (3), the bucket size and --quick (an 8 MB plan, 1 MiB buckets, `quick`)."""
+    parser.add_argument("--total-mb", type=float, default=None,
+                        help="the bf16 plan's size (default 1024, halved until it fits)")
+    parser.add_argument("--reps", type=int, default=3, help=reps)
+    parser.add_argument("--buffer-size-bytes", type=int, default=64 << 20)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"an 8 MB plan (unless --total-mb), 1 MiB buckets, {quick}: that it "
+                             "runs, in seconds")
 
 
 # --- each process's peak ----------------------------------------------------------------------

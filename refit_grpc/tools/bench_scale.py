@@ -40,6 +40,7 @@ per engine) and a `describe()`.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import resource
@@ -457,6 +458,46 @@ def _draw(rows: list[ScaleRow], path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def add_arguments(scale: argparse.ArgumentParser) -> None:
+    """The flags of `refit-grpc bench-scale`."""
+    scale.add_argument("--widths", default="8,16,32,64",
+                       help="comma-separated fleet widths of real shim processes, one engine "
+                            "each (the widest started once; empty: none)")
+    scale.add_argument("--simulated", default="8,64,256,1000",
+                       help="comma-separated widths of the simulated series: shim processes "
+                            "of --engines-per-process engines sharing one receiving rank each "
+                            "(empty: none)")
+    scale.add_argument("--engines-per-process", type=int, default=50)
+    scale.add_argument("--faults", type=int, default=5,
+                       help="at the widest simulated width: engines killed mid-epoch, then "
+                            "twice as many mid-staging under a quorum (0: none)")
+    scale.add_argument("--epochs", type=int, default=6, help="in-place epochs per width")
+    scale.add_argument("--buckets", type=int, default=8, help="16 KiB buckets per epoch")
+    scale.add_argument("--png", default="build/bench-scale.png",
+                       help="the figure of cost against width (empty: none; needs matplotlib)")
+    scale.add_argument("--quick", action="store_true",
+                       help="widths 2 and 4, simulated 3 and 8 (4 per process), 2 epochs, "
+                            "1 fault: that it runs, in seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`refit-grpc bench-scale`."""
+    def widths_of(text: str) -> tuple[int, ...]:
+        return tuple(int(w) for w in text.split(",") if w.strip())
+
+    widths, simulated = widths_of(args.widths), widths_of(args.simulated)
+    per_process, faults = args.engines_per_process, args.faults
+    if args.quick:
+        widths, simulated, per_process, args.epochs, faults = (2, 4), (3, 8), 4, 2, 1
+    if any(w < 1 for w in widths + simulated) or per_process < 1:
+        print(f"bench-scale: widths must be positive: {args.widths} / {args.simulated}",
+              file=sys.stderr)
+        return 2
+    run_bench_scale(widths, epochs=args.epochs, buckets=args.buckets, figure=args.png or None,
+                    simulated=simulated, engines_per_process=per_process, faults=faults)
+    return 0
 
 
 if __name__ == "__main__":  # a quick look: python -m refit_grpc.tools.bench_scale [simulated...]

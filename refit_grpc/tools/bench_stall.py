@@ -31,6 +31,7 @@ over at its end). A benchmark: it reports and asserts nothing.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import statistics
@@ -804,3 +805,35 @@ def draw(requests: Sequence[Sequence[float]], epochs: Sequence[Epoch], t0: float
 __all__ = ["IN_PLACE", "KEEP_CACHE", "MODES", "STAGED", "STAGED_LOADER", "Analysis", "Epoch",
            "EpochStats", "analyze", "classify", "configure_flip", "draw", "gaps", "longest_gap",
            "report_lines", "resume_lag", "run_stall_bench", "steady_windows", "tokens_between"]
+
+
+def add_arguments(stall: argparse.ArgumentParser) -> None:
+    """The flags of `refit-grpc bench-stall`."""
+    stall.add_argument("--pairs", type=int, default=5,
+                       help="epochs of each mode counted, interleaved, after a warm-up of each")
+    stall.add_argument("--streams", type=int, default=4, help="concurrent streamed completions")
+    stall.add_argument("--max-tokens", type=int, default=240, help="per completion")
+    stall.add_argument("--hidden", type=int, default=512, help="the Llama's width")
+    stall.add_argument("--layers", type=int, default=6, help="the Llama's layers")
+    stall.add_argument("--buffer-size-bytes", type=int, default=4 << 20)
+    stall.add_argument("--steady-s", type=float, default=3.0,
+                       help="steady generation before and between epochs")
+    stall.add_argument("--scale", type=float, default=1e-3,
+                       help="standard deviation of each version's noise on the checkpoint")
+    stall.add_argument("--png", default="build/bench-stall.png",
+                       help="the figure of tokens over time (empty: none; needs matplotlib)")
+    stall.add_argument("--quick", action="store_true",
+                       help="a 2-layer Llama of width 128, 2 streams, one epoch of each mode "
+                            "counted, no figure: that it runs (vLLM's start is most of it)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`refit-grpc bench-stall`."""
+    if args.quick:  # a 2-layer Llama of width 128, one epoch of each mode counted, no figure,
+        # the Dynamo part beside the vLLM part
+        args.pairs, args.streams, args.max_tokens, args.hidden, args.layers = 1, 2, 48, 128, 2
+        args.buffer_size_bytes, args.steady_s, args.png = 1 << 20, 1.0, ""
+    return run_stall_bench(pairs=args.pairs, streams=args.streams, max_tokens=args.max_tokens,
+                           hidden=args.hidden, layers=args.layers,
+                           buffer_size_bytes=args.buffer_size_bytes, steady_s=args.steady_s,
+                           scale=args.scale, png=args.png or None, parts_together=args.quick)

@@ -6,6 +6,7 @@ every worker holds exactly the trainer's weights (digest) and behaves like them 
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -94,3 +95,15 @@ def run_demo(workers: int = 3, steps: int = 5, buffer_size_bytes: int = 256 * 10
         failures += 1
     print("demo OK" if not failures else f"demo FAILED ({failures} bad epochs)", file=out)
     return 0 if not failures else 1
+
+
+def add_arguments(demo: argparse.ArgumentParser) -> None:
+    """The flags of `refit-grpc demo`."""
+    demo.add_argument("--workers", type=int, default=3)
+    demo.add_argument("--steps", type=int, default=5)
+    demo.add_argument("--buffer-size-bytes", type=int, default=256 * 1024)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`refit-grpc demo`."""
+    return run_demo(workers=args.workers, steps=args.steps, buffer_size_bytes=args.buffer_size_bytes)

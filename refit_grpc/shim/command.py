@@ -1,18 +1,84 @@
 """`refit-grpc shim`: serve RefitService next to one engine, or K engines sharing one receiving
-rank (`--engines K`); the process `spawn_shim` starts."""
+rank (`--engines K`); the process `spawn_shim` starts.
+
+The command's flags (`add_arguments`) and body (`run`) live in the shim package, beside the
+process code that starts it (`process.spawn_shim`, which runs `python -m refit_grpc.cli shim`)
+and reads its READY lines: the CLI dispatches here, and `main` runs it in a process that runs
+nothing else (a forked shim, `refit_grpc.testing.forked_shims`) without going through the CLI.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
+import sys
 from pathlib import Path
 
-from refit_grpc.plan import Packing
+from refit_grpc.plan import DEFAULT_BUFFER_SIZE_BYTES, DEFAULT_NUM_BUFFERS, Packing
+
+# How every `refit-grpc` command logs (to stderr, `--log-level`, WARNING by default).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def run_shim(args: argparse.Namespace) -> int:
+def add_arguments(shim: argparse.ArgumentParser) -> None:
+    """The flags of `refit-grpc shim`."""
+    shim.add_argument("--engine", default="reference", help="reference, vllm or dynamo")
+    shim.add_argument("--address", default="127.0.0.1:50051",
+                      help="listen address (default loopback; port 0 picks a free one)")
+    shim.add_argument("--engine-url", default="http://127.0.0.1:8000",
+                      help="where the engine's own server listens (vllm: its OpenAI server; "
+                           "dynamo: the worker's system_url)")
+    shim.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                      help="engine-specific option, parsed by the engine's options class")
+    shim.add_argument("--model", choices=["tiny-lm", "none"], default="tiny-lm",
+                      help="reference engine: the tiny LM, or a plain tensor store")
+    shim.add_argument("--seed", type=int, default=0)
+    shim.add_argument("--buffer-size-bytes", type=int, default=DEFAULT_BUFFER_SIZE_BYTES)
+    shim.add_argument("--num-buffers", type=int, default=DEFAULT_NUM_BUFFERS)
+    shim.add_argument("--max-epoch-s", type=float, default=600.0)
+    shim.add_argument("--progress-interval-ms", type=float, default=200.0,
+                      help="an epoch's PROGRESS: the first bucket at once, then at most one "
+                           "per this many ms (0: every bucket)")
+    shim.add_argument("--grace-s", type=float, default=30.0)
+    shim.add_argument("--instance-id", default="")
+    shim.add_argument("--engines", type=int, default=1, metavar="K",
+                      help="serve K engines from this process (reference engine): one gRPC "
+                           "server each (ports from --address's on, or free ones with port 0; "
+                           "instance ids INSTANCE_ID-0 ...), one shared receiving rank in "
+                           "every data group (a host's relay; the simulated wide fleet)")
+    shim.add_argument("--torch-threads", type=int, default=1)
+    shim.add_argument("--token-file", help="bearer tokens, one per line (or REFIT_GRPC_TOKEN)")
+    shim.add_argument("--tls-cert", help="server certificate chain (PEM)")
+    shim.add_argument("--tls-key", help="server private key (PEM)")
+    shim.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
+    shim.add_argument("--insecure-listen", action="store_true",
+                      help="allow a non-loopback address without TLS or a token (logs a warning)")
+    shim.add_argument("--allow-master", action="append", default=None, metavar="CIDR",
+                      help="networks whose rendezvous the shim may join (default loopback, or "
+                           "REFIT_GRPC_ALLOW_MASTER: CIDRs separated by commas)")
+    shim.add_argument("--metrics-address", metavar="HOST:PORT",
+                      help="serve Prometheus metrics over HTTP there (off by default; a port "
+                           "alone binds loopback; beyond loopback needs --insecure-listen)")
+
+
+def main(argv: list[str]) -> int:
+    """`refit-grpc shim ARGV` in a process of its own: the shim's flags only, logging at the
+    CLI's default level (a forked shim)."""
+    parser = argparse.ArgumentParser(prog="refit-grpc shim")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level="WARNING", stream=sys.stderr, format=LOG_FORMAT)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     """`refit-grpc shim`: serve RefitService next to one engine until SIGTERM."""
+    if args.allow_master is None:
+        # An environment variable too, for containers whose command line is fixed.
+        from_env = [c.strip() for c in os.environ.get("REFIT_GRPC_ALLOW_MASTER", "").split(",")]
+        args.allow_master = [c for c in from_env if c] or ["127.0.0.0/8", "::1/128"]
     import faulthandler
     import signal
 
