@@ -36,6 +36,14 @@ VLLM_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_LEVEL": "INFO",
+    # vLLM CPU's default ("auto") pins each worker's threads to the last core of a NUMA node:
+    # every server on one host gets the same core. Two engines that work at once (a catch-up
+    # from a peer, a fleet of two) then share that one core between both workers' busy-polling
+    # main threads, the peer's serve thread and the newcomer's join: worker calls of 0.1 ms
+    # took 4 to 30 s, joins 8 to 100 s, and 11 catch-ups of 23 failed (docs/vllm.md, "Two
+    # engines on one host"). Unbound, the kernel spreads them: 26 of 26 passed, in 0.3-1.6 s.
+    # A server that asks for cores (`cpu_bind`: the demos' one per engine, TP ranks) gets them.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
 PROMPT = [5, 17, 42, 9, 101, 77, 3, 250]
 
