@@ -1,6 +1,8 @@
 """The docs a newcomer reads first say only what is true, checked against the tree and the code
 (no engine: the README's trainer runs against reference-engine shims on loopback).
 
+docs/bench.md's commands are what the `make bench*` targets run (`make -n`).
+
 README.md:
 - it stays under 1,500 words (about ten minutes);
 - its trainer example runs as written, its success path and its `except` branch;
@@ -25,6 +27,8 @@ import ast
 import inspect
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -427,3 +431,28 @@ def test_the_readme_trainer_runs_as_written(monkeypatch, capsys):
     finally:
         for shim in shims:
             shim.stop()
+
+
+# --- docs/bench.md: the commands that reproduce each result ---------------------------------------
+
+
+def make_runs(target: str, *assignments: str) -> list[str]:
+    """The `refit-grpc` command lines `make TARGET` runs (a dry run), without the venv's path."""
+    dry = subprocess.run(["make", "-n", "-s", target, *assignments], cwd=ROOT,
+                         capture_output=True, text=True, check=True, timeout=60)
+    return [re.sub(r"^\S*/bin/(refit-grpc )", r"\1", " ".join(line.split()))
+            for line in dry.stdout.splitlines() if "/bin/refit-grpc " in line]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_bench_doc_commands_are_what_make_runs():
+    text = (ROOT / "docs" / "bench.md").read_text()
+    rows = table_rows(section(text, "Reproduce"))
+    targets = [unquote(target).removeprefix("make ") for target, _, _ in rows]
+    assert sorted(targets) == sorted(t for t in make_targets() if t.startswith("bench"))
+    for target, (_, runs, _) in zip(targets, rows):
+        assert re.findall(r"`(refit-grpc [^`]+)`", runs) == make_runs(target), target
+    variants = re.findall(r"`make ([\w-]+) (\w+=\S+)` runs `(refit-grpc [^`]+)`", text)
+    assert variants, "docs/bench.md names no `make TARGET VAR=...` variant"
+    for target, assignment, command in variants:
+        assert make_runs(target, assignment) == [command]
