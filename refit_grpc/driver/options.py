@@ -51,7 +51,7 @@ class Staged:
             and the prefix cache, so they go on after it without recomputing: the tokens they
             generate after the flip attend to keys and values the previous version computed
             (off-policy for the trainer), and vLLM labels each token with the version that
-            sampled it (README, "Keeping the cache across a flip"). An engine that cannot
+            sampled it (docs/trainer.md, "Keeping the cache across a flip"). An engine that cannot
             refuses (KEEP_CACHE_UNSUPPORTED, left behind).
 
     Raises:

@@ -10,7 +10,7 @@ Everything is measured where the shim already speaks, never on the data path:
 
 Each shim has its own `CollectorRegistry`, so several shims in one process do not collide.
 
-The metrics (README.md, "Metrics", has the table):
+The metrics (docs/operations.md, "Metrics", has the table):
     refit_shim_epochs_total{outcome}           committed, failed (after ACCEPTED), refused (before)
     refit_shim_epoch_seconds{outcome}          histogram, request to end of stream
     refit_shim_epoch_phase_seconds{phase}      accept (request -> ACCEPTED), receive (ACCEPTED ->
